@@ -1,0 +1,1 @@
+//! sala-export: see the crate description; under construction.

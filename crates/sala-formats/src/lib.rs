@@ -1,0 +1,1 @@
+//! sala-formats: see the crate description; under construction.

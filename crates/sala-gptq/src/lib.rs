@@ -1,0 +1,1 @@
+//! sala-gptq: see the crate description; under construction.

@@ -1,0 +1,1 @@
+//! sala-hessian: see the crate description; under construction.

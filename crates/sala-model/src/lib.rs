@@ -1,0 +1,1 @@
+//! sala-model: see the crate description; under construction.

@@ -1,0 +1,1 @@
+//! sala-smooth: see the crate description; under construction.

@@ -1,0 +1,1 @@
+//! sala-kernels: CubeCL kernels; under construction (the GPU issue).
