@@ -1,0 +1,287 @@
+//! Integer quantization (2–8 bits) with one scale and one zero point per group.
+//!
+//! `code = clamp(round_ties_even(x / scale) + zero, 0, maxq)` and `x̂ = scale · (code − zero)`,
+//! as in IST-DASLab's `quant.py` (PyTorch's `round` is round-half-to-even, so `round_ties_even`
+//! matches it bit for bit). Two symmetric grids are selectable, both with `zero = 2^(bits−1)`.
+
+use crate::FormatError;
+
+/// How a group's scale and zero point are derived from its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IntScheme {
+    /// Symmetric, `scale = 2·absmax / (2^bits − 1)` (AutoGPTQ / IST GPTQ / compressed-tensors):
+    /// 16 codes at 4 bits, a `+absmax` weight is clipped to `7·scale`.
+    #[default]
+    SymmetricIst,
+    /// Symmetric, `scale = absmax / (2^(bits−1) − 1)` (the original SALA GPTQ script, `max/7`):
+    /// `±absmax` land exactly on codes `zero ± 7`; code 0 is unused.
+    SymmetricAbsMax,
+    /// Asymmetric, `scale = (max − min) / (2^bits − 1)` over a range that includes 0,
+    /// `zero = round(−min / scale)`.
+    Asymmetric,
+}
+
+impl IntScheme {
+    /// Whether the zero point is fixed at `2^(bits−1)`.
+    pub fn is_symmetric(self) -> bool {
+        !matches!(self, IntScheme::Asymmetric)
+    }
+}
+
+/// Scale and zero point of one group of one output row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantParams {
+    /// Step between adjacent codes (positive, finite).
+    pub scale: f32,
+    /// Code that represents 0.0 (an integer in `0..=maxq`).
+    pub zero: u8,
+}
+
+/// An integer grid: a bit width and a scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntQuantizer {
+    bits: u32,
+    scheme: IntScheme,
+}
+
+/// Smallest scale ever produced: a group of tiny values still gets a finite step
+/// (the original script's `clamp(min=1e-10)`).
+pub const MIN_SCALE: f32 = 1e-10;
+
+impl IntQuantizer {
+    /// A quantizer for `bits` in 2..=8.
+    pub fn new(bits: u32, scheme: IntScheme) -> Result<Self, FormatError> {
+        if !(2..=8).contains(&bits) {
+            return Err(FormatError::UnsupportedBits {
+                bits,
+                supported: "2..=8",
+            });
+        }
+        Ok(Self { bits, scheme })
+    }
+
+    /// Bit width.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    /// Scheme.
+    pub fn scheme(&self) -> IntScheme {
+        self.scheme
+    }
+
+    /// Largest code, `2^bits − 1`.
+    pub fn maxq(&self) -> u8 {
+        ((1u32 << self.bits) - 1) as u8
+    }
+
+    /// The symmetric zero point, `2^(bits−1)`.
+    pub fn symmetric_zero(&self) -> u8 {
+        (1u32 << (self.bits - 1)) as u8
+    }
+
+    /// Scale and zero for a group from its minimum and maximum (IST `find_params`).
+    ///
+    /// The range always includes 0; an all-zero group gets the range ±1 (so its scale is finite).
+    pub fn params_from_range(&self, min: f32, max: f32) -> QuantParams {
+        let mut lo = min.min(0.0);
+        let mut hi = max.max(0.0);
+        let maxq = self.maxq() as f32;
+        match self.scheme {
+            IntScheme::SymmetricIst | IntScheme::SymmetricAbsMax => {
+                hi = hi.max(-lo);
+                if hi == 0.0 {
+                    hi = 1.0;
+                }
+                let scale = match self.scheme {
+                    IntScheme::SymmetricIst => 2.0 * hi / maxq,
+                    _ => hi / (self.symmetric_zero() as f32 - 1.0),
+                };
+                QuantParams {
+                    scale: scale.max(MIN_SCALE),
+                    zero: self.symmetric_zero(),
+                }
+            }
+            IntScheme::Asymmetric => {
+                if lo == 0.0 && hi == 0.0 {
+                    lo = -1.0;
+                    hi = 1.0;
+                }
+                let scale = ((hi - lo) / maxq).max(MIN_SCALE);
+                let zero = (-lo / scale).round_ties_even().clamp(0.0, maxq);
+                QuantParams {
+                    scale,
+                    zero: zero as u8,
+                }
+            }
+        }
+    }
+
+    /// Scale and zero for a group of values (min/max over the slice).
+    pub fn params_for(&self, values: &[f32]) -> QuantParams {
+        let (min, max) = values
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                (lo.min(v), hi.max(v))
+            });
+        if values.is_empty() {
+            return self.params_from_range(0.0, 0.0);
+        }
+        self.params_from_range(min, max)
+    }
+
+    /// The code of `x` under `p`.
+    #[inline]
+    pub fn quantize(&self, x: f32, p: QuantParams) -> u8 {
+        let q = (x / p.scale).round_ties_even() + p.zero as f32;
+        q.clamp(0.0, self.maxq() as f32) as u8
+    }
+
+    /// The value of `code` under `p`.
+    #[inline]
+    pub fn dequantize(code: u8, p: QuantParams) -> f32 {
+        p.scale * (code as f32 - p.zero as f32)
+    }
+
+    /// Round trip: the grid point `x` maps to.
+    #[inline]
+    pub fn fake_quantize(&self, x: f32, p: QuantParams) -> f32 {
+        Self::dequantize(self.quantize(x, p), p)
+    }
+}
+
+/// A row-major `[rows, cols]` matrix quantized group-wise along columns (round-to-nearest).
+///
+/// `params` is laid out `[groups, rows]` (the AutoGPTQ `scales` orientation: one row of `rows`
+/// values per group), `codes` is `[rows, cols]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IntGroupQuantized {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns.
+    pub cols: usize,
+    /// Columns per group.
+    pub group_size: usize,
+    /// The grid.
+    pub quantizer: IntQuantizer,
+    /// Codes, `[rows, cols]`.
+    pub codes: Vec<u8>,
+    /// Per-group parameters, `[groups, rows]`.
+    pub params: Vec<QuantParams>,
+}
+
+impl IntGroupQuantized {
+    /// Number of groups, `ceil(cols / group_size)`.
+    pub fn groups(&self) -> usize {
+        self.cols.div_ceil(self.group_size)
+    }
+
+    /// Dequantizes to a row-major `[rows, cols]` matrix.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let groups = self.groups();
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                let p = self.params[(c / self.group_size) * self.rows + r];
+                out.push(IntQuantizer::dequantize(self.codes[r * self.cols + c], p));
+            }
+        }
+        debug_assert_eq!(self.params.len(), groups * self.rows);
+        out
+    }
+}
+
+/// Round-to-nearest group-wise quantization of a row-major `[rows, cols]` matrix.
+///
+/// `group_size` columns share one scale per row; the last group may be shorter. Non-finite
+/// values are an error naming their position.
+pub fn quantize_groupwise(
+    weights: &[f32],
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    quantizer: IntQuantizer,
+) -> Result<IntGroupQuantized, FormatError> {
+    crate::shape::check_matrix("weights", weights.len(), rows, cols)?;
+    if group_size == 0 {
+        return Err(FormatError::ZeroGroupSize);
+    }
+    crate::shape::check_finite(weights, cols)?;
+    let groups = cols.div_ceil(group_size);
+    let mut params = Vec::with_capacity(groups * rows);
+    for g in 0..groups {
+        let (c0, c1) = (g * group_size, ((g + 1) * group_size).min(cols));
+        params.extend(
+            (0..rows).map(|r| quantizer.params_for(&weights[r * cols + c0..r * cols + c1])),
+        );
+    }
+    let codes = weights
+        .iter()
+        .enumerate()
+        .map(|(i, &w)| quantizer.quantize(w, params[((i % cols) / group_size) * rows + i / cols]))
+        .collect();
+    Ok(IntGroupQuantized {
+        rows,
+        cols,
+        group_size,
+        quantizer,
+        codes,
+        params,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_two_symmetric_grids() {
+        let ist = IntQuantizer::new(4, IntScheme::SymmetricIst).unwrap();
+        let absmax = IntQuantizer::new(4, IntScheme::SymmetricAbsMax).unwrap();
+        let p = ist.params_for(&[-1.5, 0.3, 3.0]);
+        assert_eq!((p.scale, p.zero), (6.0 / 15.0, 8));
+        assert_eq!(ist.quantize(3.0, p), 15); // 7.5 -> 8 (ties even) + 8 -> clamp 15
+        let p = absmax.params_for(&[-1.5, 0.3, 3.0]);
+        assert_eq!((p.scale, p.zero), (3.0 / 7.0, 8));
+        assert_eq!(absmax.quantize(3.0, p), 15);
+        assert_eq!(absmax.quantize(-3.0, p), 1);
+    }
+
+    #[test]
+    fn asymmetric_range_includes_zero_and_all_zero_groups_are_finite() {
+        let q = IntQuantizer::new(4, IntScheme::Asymmetric).unwrap();
+        let p = q.params_for(&[1.0, 2.0, 3.0]);
+        assert_eq!(p.scale, 3.0 / 15.0);
+        assert_eq!(p.zero, 0);
+        let p = q.params_for(&[0.0; 4]);
+        assert!(p.scale.is_finite() && p.scale > 0.0);
+        assert_eq!(q.fake_quantize(0.0, p), 0.0);
+    }
+
+    #[test]
+    fn ties_round_to_even() {
+        let q = IntQuantizer::new(4, IntScheme::SymmetricIst).unwrap();
+        let p = QuantParams {
+            scale: 1.0,
+            zero: 8,
+        };
+        assert_eq!(q.quantize(0.5, p), 8);
+        assert_eq!(q.quantize(1.5, p), 10);
+        assert_eq!(q.quantize(-2.5, p), 6);
+    }
+
+    #[test]
+    fn bits_out_of_range_are_rejected() {
+        assert!(IntQuantizer::new(1, IntScheme::Asymmetric).is_err());
+        assert!(IntQuantizer::new(9, IntScheme::Asymmetric).is_err());
+    }
+
+    #[test]
+    fn groupwise_rejects_nan_with_position() {
+        let q = IntQuantizer::new(4, IntScheme::SymmetricIst).unwrap();
+        let mut w = vec![0.5f32; 2 * 8];
+        w[11] = f32::NAN;
+        let err = quantize_groupwise(&w, 2, 8, 4, q).unwrap_err();
+        assert!(matches!(err, FormatError::NonFinite { row: 1, col: 3, .. }));
+    }
+}

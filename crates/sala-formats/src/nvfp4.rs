@@ -1,0 +1,287 @@
+//! NVFP4 (ModelOpt layout): E2M1 codes in blocks of 16 along the input dimension, one FP8 E4M3
+//! block scale per block, one FP32 global scale per tensor.
+//!
+//! Conventions (ModelOpt `nvfp4_tensor.py`, what SGLang and vLLM load):
+//! - `weight_scale_2 = amax / (6·448)`; it **multiplies** on dequantization;
+//! - block scale `s_b = amax_b / (6 · weight_scale_2)`, clamped to `[2⁻⁹, 448]` (ModelOpt 0.47:
+//!   a stored block scale is never 0), then cast to E4M3 with round-to-nearest-even;
+//! - codes `e2m1(x / (f32(s_b) · weight_scale_2))`; dequantization `LUT[code] · (f32(s_b) · weight_scale_2)`;
+//! - packing: element `2j` in the low nibble of byte `j`, element `2j+1` in the high nibble.
+
+use crate::minifloat::{e2m1_decode, E2M1, E2M1_MAX, E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE};
+use crate::shape::{check_divisible, check_len, check_matrix};
+use crate::FormatError;
+
+/// Elements per block scale.
+pub const NVFP4_BLOCK: usize = 16;
+/// `6 · 448`: the ratio between a tensor's amax and its `weight_scale_2`.
+pub const NVFP4_SCALE_DENOMINATOR: f32 = E2M1_MAX * E4M3_MAX;
+
+/// The global scale (`weight_scale_2`, also the `input_scale` convention) for a tensor amax.
+///
+/// An all-zero tensor (`amax == 0`) gets the scale of `amax = 1` so that every division stays
+/// finite; its codes are all zero either way.
+pub fn global_scale_from_amax(amax: f32) -> Result<f32, FormatError> {
+    if !amax.is_finite() || amax < 0.0 {
+        return Err(FormatError::InvalidScale {
+            what: "amax",
+            value: amax,
+        });
+    }
+    let amax = if amax == 0.0 { 1.0 } else { amax };
+    Ok(amax / NVFP4_SCALE_DENOMINATOR)
+}
+
+fn check_global_scale(global_scale: f32) -> Result<(), FormatError> {
+    if !(global_scale.is_finite() && global_scale > 0.0) {
+        return Err(FormatError::InvalidScale {
+            what: "global",
+            value: global_scale,
+        });
+    }
+    Ok(())
+}
+
+/// The E4M3 block scale that max calibration gives a block of absolute maximum `block_amax`.
+///
+/// `clamp(block_amax / (6 · global_scale), 2⁻⁹, 448)` rounded to E4M3 (returned as its byte).
+#[inline]
+pub fn max_block_scale(block_amax: f32, global_scale: f32) -> u8 {
+    let s = block_amax / (E2M1_MAX * global_scale);
+    E4M3FN.encode_non_nan(s.clamp(E4M3_MIN_POSITIVE, E4M3_MAX))
+}
+
+/// The divisor applied to a block's values: `f32(block scale) · global_scale`.
+#[inline]
+pub fn block_divisor(block_scale: u8, global_scale: f32) -> f32 {
+    E4M3FN.decode(block_scale) * global_scale
+}
+
+/// Encodes one block's values with a given divisor into E2M1 codes (one code per element).
+///
+/// Values must be finite (callers check once per block).
+#[inline]
+pub fn encode_block(values: &[f32], divisor: f32, codes: &mut [u8]) {
+    for (c, &v) in codes.iter_mut().zip(values) {
+        *c = E2M1.encode_non_nan(v / divisor);
+    }
+}
+
+/// Packs E2M1 codes two per byte (element `2j` low nibble, `2j+1` high nibble).
+pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
+    check_divisible("code count", codes.len(), 2)?;
+    if let Some(i) = codes.iter().position(|&c| c > 0xF) {
+        return Err(FormatError::CodeOutOfRange {
+            code: codes[i] as u32,
+            index: i,
+            bits: 4,
+        });
+    }
+    Ok(codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)).collect())
+}
+
+/// Unpacks bytes into E2M1 codes (two per byte, low nibble first).
+pub fn unpack_e2m1(packed: &[u8]) -> Vec<u8> {
+    packed.iter().flat_map(|&b| [b & 0xF, b >> 4]).collect()
+}
+
+/// A row-major `[rows, cols]` matrix in NVFP4.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nvfp4Matrix {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns (a multiple of 16).
+    pub cols: usize,
+    /// Packed E2M1 codes, `[rows, cols/2]` bytes (the `weight` tensor, uint8).
+    pub packed: Vec<u8>,
+    /// E4M3 block scales as bytes, `[rows, cols/16]` (the `weight_scale` tensor, float8_e4m3fn).
+    pub block_scales: Vec<u8>,
+    /// `weight_scale_2` (fp32 scalar, multiplies on dequant).
+    pub global_scale: f32,
+}
+
+/// Which block scales to use when quantizing.
+#[derive(Debug, Clone, Copy)]
+pub enum BlockScales<'a> {
+    /// Max calibration: each block's scale from its absolute maximum.
+    Max,
+    /// Scales chosen by the caller (e.g. a search), E4M3 bytes `[rows, cols/16]`.
+    Given(&'a [u8]),
+}
+
+impl Nvfp4Matrix {
+    /// Quantizes a row-major `[rows, cols]` matrix with a given global scale.
+    pub fn quantize(
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        global_scale: f32,
+        scales: BlockScales<'_>,
+    ) -> Result<Self, FormatError> {
+        check_matrix("weights", weights.len(), rows, cols)?;
+        check_divisible("cols", cols, NVFP4_BLOCK)?;
+        check_global_scale(global_scale)?;
+        let blocks = cols / NVFP4_BLOCK;
+        let mut block_scales = match scales {
+            BlockScales::Max => vec![0u8; rows * blocks],
+            BlockScales::Given(s) => {
+                check_len("block scales", s.len(), rows * blocks)?;
+                s.to_vec()
+            }
+        };
+        let mut packed = vec![0u8; rows * cols / 2];
+        let compute = matches!(scales, BlockScales::Max);
+        quantize_rows_into(
+            weights,
+            cols,
+            global_scale,
+            0,
+            compute,
+            &mut block_scales,
+            &mut packed,
+        )?;
+        Ok(Self {
+            rows,
+            cols,
+            packed,
+            block_scales,
+            global_scale,
+        })
+    }
+
+    /// The unpacked E2M1 codes, `[rows, cols]`.
+    pub fn codes(&self) -> Vec<u8> {
+        unpack_e2m1(&self.packed)
+    }
+
+    /// Dequantizes to a row-major `[rows, cols]` f32 matrix.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        let half_block = NVFP4_BLOCK / 2;
+        for (b, block) in self.packed.chunks_exact(half_block).enumerate() {
+            let d = block_divisor(self.block_scales[b], self.global_scale);
+            for &byte in block {
+                out.push(e2m1_decode(byte & 0xF) * d);
+                out.push(e2m1_decode(byte >> 4) * d);
+            }
+        }
+        out
+    }
+}
+
+/// Quantizes whole rows into caller-provided buffers: the building block for parallel callers
+/// (split `weights`, `block_scales` and `packed` by the same rows and call it per chunk).
+///
+/// - `weights`: `[n, cols]` for some `n`; `block_scales`: `[n, cols/16]`; `packed`: `[n, cols/2]`;
+/// - `compute_scales`: fill `block_scales` by max calibration, or read them as given;
+/// - `first_row`: the index of the chunk's first row, used only in error messages.
+pub fn quantize_rows_into(
+    weights: &[f32],
+    cols: usize,
+    global_scale: f32,
+    first_row: usize,
+    compute_scales: bool,
+    block_scales: &mut [u8],
+    packed: &mut [u8],
+) -> Result<(), FormatError> {
+    check_divisible("cols", cols, NVFP4_BLOCK)?;
+    check_divisible("weights", weights.len(), cols)?;
+    check_global_scale(global_scale)?;
+    let n_blocks = weights.len() / NVFP4_BLOCK;
+    check_len("block scales", block_scales.len(), n_blocks)?;
+    check_len("packed", packed.len(), weights.len() / 2)?;
+    let mut codes = [0u8; NVFP4_BLOCK];
+    for (b, block) in weights.chunks_exact(NVFP4_BLOCK).enumerate() {
+        let mut amax = 0.0f32;
+        for (i, &v) in block.iter().enumerate() {
+            if !v.is_finite() {
+                let flat = b * NVFP4_BLOCK + i;
+                return Err(FormatError::NonFinite {
+                    row: first_row + flat / cols,
+                    col: flat % cols,
+                    value: v,
+                });
+            }
+            amax = amax.max(v.abs());
+        }
+        if compute_scales {
+            block_scales[b] = max_block_scale(amax, global_scale);
+        }
+        let divisor = block_divisor(block_scales[b], global_scale);
+        if !(divisor.is_finite() && divisor > 0.0) {
+            return Err(FormatError::InvalidScale {
+                what: "block",
+                value: E4M3FN.decode(block_scales[b]),
+            });
+        }
+        encode_block(block, divisor, &mut codes);
+        let out = &mut packed[b * NVFP4_BLOCK / 2..(b + 1) * NVFP4_BLOCK / 2];
+        for (o, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+            *o = pair[0] | (pair[1] << 4);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn global_scale_is_amax_over_2688() {
+        assert_eq!(global_scale_from_amax(2688.0).unwrap(), 1.0);
+        assert_eq!(global_scale_from_amax(5.376).unwrap(), 5.376 / 2688.0);
+        assert!(global_scale_from_amax(f32::NAN).is_err());
+    }
+
+    #[test]
+    fn packing_puts_even_elements_in_the_low_nibble() {
+        assert_eq!(pack_e2m1(&[0x1, 0xF, 0x7, 0x8]).unwrap(), vec![0xF1, 0x87]);
+        assert_eq!(unpack_e2m1(&[0xF1]), vec![0x1, 0xF]);
+        assert!(pack_e2m1(&[16, 0]).is_err());
+        assert!(pack_e2m1(&[1]).is_err());
+    }
+
+    #[test]
+    fn a_block_whose_amax_is_the_tensor_amax_uses_scale_448() {
+        let mut w = vec![0.0f32; 16];
+        w[3] = -12.0;
+        w[4] = 6.0;
+        let g = global_scale_from_amax(12.0).unwrap();
+        let m = Nvfp4Matrix::quantize(&w, 1, 16, g, BlockScales::Max).unwrap();
+        assert_eq!(E4M3FN.decode(m.block_scales[0]), 448.0);
+        let d = m.dequantize();
+        assert_eq!(d[3], -12.0);
+        assert_eq!(d[4], 6.0);
+    }
+
+    #[test]
+    fn zero_blocks_get_the_smallest_scale_not_zero() {
+        let w = vec![0.0f32; 32];
+        let m = Nvfp4Matrix::quantize(&w, 1, 32, 1.0, BlockScales::Max).unwrap();
+        assert_eq!(m.block_scales, vec![0x01, 0x01]);
+        assert!(m.dequantize().iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let mut w = vec![1.0f32; 64];
+        assert!(matches!(
+            Nvfp4Matrix::quantize(&w, 2, 32, 0.0, BlockScales::Max),
+            Err(FormatError::InvalidScale { .. })
+        ));
+        assert!(matches!(
+            Nvfp4Matrix::quantize(&w, 4, 16, 1.0, BlockScales::Given(&[1, 2])),
+            Err(FormatError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            Nvfp4Matrix::quantize(&w, 8, 8, 1.0, BlockScales::Max),
+            Err(FormatError::NotDivisible { .. })
+        ));
+        w[40] = f32::INFINITY;
+        assert!(matches!(
+            Nvfp4Matrix::quantize(&w, 2, 32, 1.0, BlockScales::Max),
+            Err(FormatError::NonFinite { row: 1, col: 8, .. })
+        ));
+    }
+}

@@ -1,0 +1,60 @@
+//! Shape and value checks shared by every codec, so each rule is written once.
+
+use crate::FormatError;
+
+/// Checks that a row-major matrix buffer of `len` elements is `[rows, cols]` and not empty.
+pub(crate) fn check_matrix(
+    what: &'static str,
+    len: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<(), FormatError> {
+    if rows == 0 || cols == 0 {
+        return Err(FormatError::EmptyMatrix { rows, cols });
+    }
+    check_len(what, len, rows * cols)
+}
+
+/// Checks a buffer length.
+pub(crate) fn check_len(
+    what: &'static str,
+    actual: usize,
+    expected: usize,
+) -> Result<(), FormatError> {
+    if actual != expected {
+        return Err(FormatError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `value` is a multiple of `divisor`.
+pub(crate) fn check_divisible(
+    what: &'static str,
+    value: usize,
+    divisor: usize,
+) -> Result<(), FormatError> {
+    if value % divisor != 0 {
+        return Err(FormatError::NotDivisible {
+            what,
+            value,
+            divisor,
+        });
+    }
+    Ok(())
+}
+
+/// Returns an error naming the first non-finite element of a row-major matrix with `cols` columns.
+pub(crate) fn check_finite(values: &[f32], cols: usize) -> Result<(), FormatError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(FormatError::NonFinite {
+            row: i / cols,
+            col: i % cols,
+            value: values[i],
+        }),
+    }
+}
