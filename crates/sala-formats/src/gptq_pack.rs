@@ -57,16 +57,49 @@ pub fn pack_qweight(
     let per = codes_per_word(bits)?;
     check_matrix("codes", codes.len(), out, inp)?;
     check_divisible("in features", inp, per)?;
-    check_codes(codes, bits)?;
-    let words = inp / per;
-    let mut q = vec![0u32; words * out];
-    for o in 0..out {
-        let row = &codes[o * inp..(o + 1) * inp];
-        for (w, chunk) in row.chunks_exact(per).enumerate() {
-            q[w * out + o] = pack_word(chunk, bits);
+    let mut q = vec![0i32; inp / per * out];
+    pack_qweight_rows_into(codes, out, inp, bits, 0, &mut q)?;
+    Ok(q)
+}
+
+/// Packs the `qweight` rows (input words) starting at word `first_word` into `dst`
+/// (`[n, out]` for some `n`): the building block for parallel callers, which split `qweight`
+/// by rows and call this per chunk. `codes` is the whole `[out, in]` matrix.
+pub fn pack_qweight_rows_into(
+    codes: &[u8],
+    out: usize,
+    inp: usize,
+    bits: u32,
+    first_word: usize,
+    dst: &mut [i32],
+) -> Result<(), FormatError> {
+    let per = codes_per_word(bits)?;
+    check_matrix("codes", codes.len(), out, inp)?;
+    check_divisible("qweight chunk", dst.len(), out)?;
+    let words = dst.len() / out;
+    if (first_word + words) * per > inp {
+        return Err(FormatError::LengthMismatch {
+            what: "qweight rows",
+            expected: inp / per - first_word.min(inp / per),
+            actual: words,
+        });
+    }
+    let max = (1u32 << bits) - 1;
+    for (w, row) in dst.chunks_exact_mut(out).enumerate() {
+        let k0 = (first_word + w) * per;
+        for (o, word) in row.iter_mut().enumerate() {
+            let chunk = &codes[o * inp + k0..o * inp + k0 + per];
+            if let Some(j) = chunk.iter().position(|&c| c as u32 > max) {
+                return Err(FormatError::CodeOutOfRange {
+                    code: chunk[j] as u32,
+                    index: o * inp + k0 + j,
+                    bits,
+                });
+            }
+            *word = pack_word(chunk, bits) as i32;
         }
     }
-    Ok(q.into_iter().map(|w| w as i32).collect())
+    Ok(())
 }
 
 /// Unpacks `qweight` `[in·bits/32, out]` into codes `[out, in]`.

@@ -133,7 +133,7 @@ impl IntQuantizer {
     /// The code of `x` under `p`.
     #[inline]
     pub fn quantize(&self, x: f32, p: QuantParams) -> u8 {
-        let q = (x / p.scale).round_ties_even() + p.zero as f32;
+        let q = round_ties_even_small(x / p.scale) + p.zero as f32;
         q.clamp(0.0, self.maxq() as f32) as u8
     }
 
@@ -148,6 +148,19 @@ impl IntQuantizer {
     pub fn fake_quantize(&self, x: f32, p: QuantParams) -> f32 {
         Self::dequantize(self.quantize(x, p), p)
     }
+}
+
+/// `v.round_ties_even()` for the range codes live in, without a libm call.
+///
+/// The x86-64 baseline has no `roundss`, so `round_ties_even` is a function call per weight.
+/// Adding and subtracting 1.5·2²³ rounds to an integer with the FPU's ties-to-even mode; it is
+/// exact for |v| < 2²², so `v` is first clamped to ±1024 (every code of ≤ 8 bits lies inside,
+/// and the caller clamps to the grid anyway). NaN stays NaN.
+#[inline]
+pub fn round_ties_even_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    let v = v.clamp(-1024.0, 1024.0);
+    (v + MAGIC) - MAGIC
 }
 
 /// A row-major `[rows, cols]` matrix quantized group-wise along columns (round-to-nearest).
@@ -215,11 +228,23 @@ pub fn quantize_groupwise(
             (0..rows).map(|r| quantizer.params_for(&weights[r * cols + c0..r * cols + c1])),
         );
     }
-    let codes = weights
-        .iter()
+    let mut codes = vec![0u8; rows * cols];
+    for (r, (row, out)) in weights
+        .chunks_exact(cols)
+        .zip(codes.chunks_exact_mut(cols))
         .enumerate()
-        .map(|(i, &w)| quantizer.quantize(w, params[((i % cols) / group_size) * rows + i / cols]))
-        .collect();
+    {
+        for (g, (wg, cg)) in row
+            .chunks(group_size)
+            .zip(out.chunks_mut(group_size))
+            .enumerate()
+        {
+            let p = params[g * rows + r];
+            for (c, &w) in cg.iter_mut().zip(wg) {
+                *c = quantizer.quantize(w, p);
+            }
+        }
+    }
     Ok(IntGroupQuantized {
         rows,
         cols,
@@ -268,6 +293,19 @@ mod tests {
         assert_eq!(q.quantize(0.5, p), 8);
         assert_eq!(q.quantize(1.5, p), 10);
         assert_eq!(q.quantize(-2.5, p), 6);
+    }
+
+    #[test]
+    fn fast_rounding_equals_round_ties_even() {
+        let mut v = -1030.0f32;
+        while v < 1030.0 {
+            for x in [v, v + 0.5, v + 0.25, v + 0.499_999_97, v - 1e-3] {
+                let want = x.clamp(-1024.0, 1024.0).round_ties_even();
+                assert_eq!(round_ties_even_small(x), want, "{x}");
+            }
+            v += 0.75;
+        }
+        assert!(round_ties_even_small(f32::NAN).is_nan());
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! - codes `e2m1(x / (f32(s_b) · weight_scale_2))`; dequantization `LUT[code] · (f32(s_b) · weight_scale_2)`;
 //! - packing: element `2j` in the low nibble of byte `j`, element `2j+1` in the high nibble.
 
-use crate::minifloat::{e2m1_decode, E2M1, E2M1_MAX, E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE};
+use crate::minifloat::{
+    e2m1_decode, e2m1_encode_fast, E2M1_MAX, E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE,
+};
 use crate::shape::{check_divisible, check_len, check_matrix};
 use crate::FormatError;
 
@@ -63,7 +65,7 @@ pub fn block_divisor(block_scale: u8, global_scale: f32) -> f32 {
 #[inline]
 pub fn encode_block(values: &[f32], divisor: f32, codes: &mut [u8]) {
     for (c, &v) in codes.iter_mut().zip(values) {
-        *c = E2M1.encode_non_nan(v / divisor);
+        *c = e2m1_encode_fast(v / divisor);
     }
 }
 
