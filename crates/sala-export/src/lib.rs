@@ -1,1 +1,39 @@
-//! sala-export: see the crate description; under construction.
+//! # sala-export
+//!
+//! Checkpoints that SGLang and vLLM load as they are, and a verifier that proves it.
+//!
+//! - [`CheckpointWriter`] streams tensors (one layer at a time) into safetensors shards of a
+//!   bounded size inside a staging directory next to the target, then writes the index, the
+//!   config files and the source model's tokenizer files, and renames the directory into place.
+//!   It writes both layouts: AutoGPTQ v1 for `gptq_marlin` ([`CheckpointWriter::add_gptq_linear`])
+//!   and ModelOpt NVFP4 ([`CheckpointWriter::add_nvfp4_linear`]).
+//! - [`config`]: the quantization configs (GPTQ with `dynamic` mixed precision; NVFP4's
+//!   `hf_quant_config.json` and flat `quantization_config` with both `ignore` and
+//!   `exclude_modules`).
+//! - [`Checkpoint`] reads an exported directory back: packed linears and dequantized f32 weights.
+//! - [`verify`] checks a directory against the loaders' rules and lists every violation by
+//!   tensor name ([`VerifyReport`]).
+//!
+//! Tensor layouts per format are in [`layout`]; the fused q/k/v and gate/up groups in
+//! [`modules`]. See `docs/formats.md` ("Checkpoint formats on disk") for the files in one place.
+
+pub mod config;
+mod error;
+pub mod layout;
+pub mod modules;
+mod reader;
+mod shards;
+mod staging;
+mod tensor;
+mod verify;
+mod writer;
+
+pub use config::{DynamicOverride, GptqConfig, ModulePrecision, Nvfp4Config, QuantizationConfig};
+pub use error::ExportError;
+pub use reader::{Checkpoint, CheckpointFormat, DenseTensor};
+pub use safetensors::Dtype;
+pub use shards::{ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE};
+pub use staging::StagedDir;
+pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
+pub use verify::{verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT};
+pub use writer::{CheckpointWriter, LinearFormat, WriterOptions, WrittenCheckpoint, SIDE_FILES};

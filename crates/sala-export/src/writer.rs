@@ -1,0 +1,296 @@
+//! [`CheckpointWriter`]: streams passthrough tensors and quantized linears into shards inside a
+//! staging directory, then writes the index, the config files and the tokenizer files, and
+//! renames the directory into place. One writer serves both formats; the format is fixed by the
+//! first quantized linear and by the config given to [`CheckpointWriter::finish`].
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+use sala_formats::{GptqPacked, Nvfp4Matrix};
+use serde_json::Value;
+
+use crate::config::{
+    write_json, QuantizationConfig, CONFIG_FILE, HF_QUANT_CONFIG_FILE, QUANTIZE_CONFIG_FILE,
+};
+use crate::layout::{gptq_tensors, nvfp4_tensors};
+use crate::shards::{ShardWriter, DEFAULT_MAX_SHARD_BYTES};
+use crate::staging::StagedDir;
+use crate::tensor::Tensor;
+use crate::ExportError;
+
+/// Files copied from the source model directory besides `*.py` and `*.jinja`: the tokenizer
+/// (including `tokenizer.model`, which the original GPTQ script forgot), chat template and
+/// generation config.
+pub const SIDE_FILES: [&str; 10] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
+
+/// How a [`CheckpointWriter`] writes.
+#[derive(Debug, Clone)]
+pub struct WriterOptions {
+    /// Maximum bytes of tensor data per shard (default 4 GB); a larger single tensor gets a
+    /// shard of its own. Bounds the writer's memory.
+    pub max_shard_bytes: u64,
+    /// Replace an existing output directory (only once the new one is complete).
+    pub overwrite: bool,
+    /// The source model directory: never written into, and where the tokenizer, chat
+    /// template, generation config and `*.py` files are copied from.
+    pub source_model: Option<PathBuf>,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        Self {
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            overwrite: false,
+            source_model: None,
+        }
+    }
+}
+
+/// The quantized layout of the linears written so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearFormat {
+    /// AutoGPTQ `qweight` / `qzeros` / `scales` / `g_idx`.
+    Gptq,
+    /// ModelOpt `weight` / `weight_scale` / `weight_scale_2` / `input_scale`.
+    Nvfp4,
+}
+
+/// What [`CheckpointWriter::finish`] produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WrittenCheckpoint {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Shard file names, in order.
+    pub shards: Vec<String>,
+    /// Number of tensors.
+    pub tensors: usize,
+    /// Bytes of tensor data (headers excluded).
+    pub tensor_bytes: u64,
+    /// Number of quantized linears.
+    pub quantized_linears: usize,
+    /// Files copied from the source model directory.
+    pub copied_files: Vec<String>,
+}
+
+/// Writes one checkpoint, one tensor or one linear at a time.
+///
+/// Dropping the writer without [`finish`](Self::finish) (for example after an error) removes
+/// everything it wrote; the target directory is never touched before the final rename.
+pub struct CheckpointWriter {
+    staged: StagedDir,
+    shards: ShardWriter,
+    source_model: Option<PathBuf>,
+    format: Option<LinearFormat>,
+    quantized_linears: usize,
+}
+
+impl CheckpointWriter {
+    /// Starts a checkpoint that will appear at `target`.
+    ///
+    /// Fails if `target` exists (unless `overwrite`) or is the source model directory.
+    pub fn create(target: impl AsRef<Path>, options: WriterOptions) -> Result<Self, ExportError> {
+        let staged = StagedDir::create(
+            target.as_ref(),
+            options.overwrite,
+            options.source_model.as_deref(),
+        )?;
+        let shards = ShardWriter::new(staged.path(), options.max_shard_bytes);
+        Ok(Self {
+            staged,
+            shards,
+            source_model: options.source_model,
+            format: None,
+            quantized_linears: 0,
+        })
+    }
+
+    /// The staging directory (files appear here until `finish`).
+    pub fn staging_dir(&self) -> &Path {
+        self.staged.path()
+    }
+
+    /// Adds a tensor as stored bytes (little-endian, `dtype`, row-major `shape`): embeddings,
+    /// norms, `lm_head`, linears kept in 16 bits, biases.
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> Result<(), ExportError> {
+        let tensor = Tensor::from_bytes(name, dtype, shape, bytes.to_vec())?;
+        self.shards.push(name, tensor)
+    }
+
+    /// Adds f32 values encoded as `dtype` (BF16, F16 or F32), e.g. a smoothed norm weight.
+    pub fn add_f32(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        values: &[f32],
+    ) -> Result<(), ExportError> {
+        let tensor = Tensor::from_f32(name, dtype, shape, values)?;
+        self.shards.push(name, tensor)
+    }
+
+    /// Adds a GPTQ linear as `module.{qweight,qzeros,scales,g_idx}` (scales cast to fp16).
+    pub fn add_gptq_linear(
+        &mut self,
+        module: &str,
+        packed: &GptqPacked,
+    ) -> Result<(), ExportError> {
+        self.claim_format(module, LinearFormat::Gptq)?;
+        let tensors = gptq_tensors(module, packed)?;
+        self.push_linear(tensors)
+    }
+
+    /// Adds an NVFP4 linear as `module.{weight,weight_scale,weight_scale_2,input_scale}`;
+    /// `input_scale` is the activation amax / 2688.
+    pub fn add_nvfp4_linear(
+        &mut self,
+        module: &str,
+        matrix: &Nvfp4Matrix,
+        input_scale: f32,
+    ) -> Result<(), ExportError> {
+        self.claim_format(module, LinearFormat::Nvfp4)?;
+        let tensors = nvfp4_tensors(module, matrix, input_scale)?;
+        self.push_linear(tensors)
+    }
+
+    fn claim_format(&mut self, module: &str, format: LinearFormat) -> Result<(), ExportError> {
+        match self.format {
+            Some(existing) if existing != format => Err(ExportError::Layout {
+                module: module.to_string(),
+                message: format!(
+                    "a {format:?} linear in a checkpoint that already holds {existing:?} linears"
+                ),
+            }),
+            _ => {
+                self.format = Some(format);
+                Ok(())
+            }
+        }
+    }
+
+    fn push_linear(&mut self, tensors: Vec<(String, Tensor)>) -> Result<(), ExportError> {
+        // Check every name first, so a duplicate linear adds none of its tensors.
+        if let Some((name, _)) = tensors.iter().find(|(n, _)| self.shards.contains(n)) {
+            return Err(ExportError::DuplicateTensor {
+                tensor: name.clone(),
+            });
+        }
+        for (name, tensor) in tensors {
+            self.shards.push(&name, tensor)?;
+        }
+        self.quantized_linears += 1;
+        Ok(())
+    }
+
+    /// Completes the checkpoint: last shard, index, `config.json` (`model_config` with
+    /// `quantization_config` added), `quantize_config.json` (GPTQ) or `hf_quant_config.json`
+    /// (NVFP4), the source model's tokenizer files, then the rename into place.
+    pub fn finish(
+        self,
+        model_config: Value,
+        quantization: &QuantizationConfig,
+    ) -> Result<WrittenCheckpoint, ExportError> {
+        let dir = self.staged.path().to_path_buf();
+        self.check_config_matches(quantization)?;
+        let layout = self.shards.finish()?;
+        write_configs(&dir, model_config, quantization)?;
+        let copied_files = match &self.source_model {
+            Some(source) => copy_side_files(source, &dir)?,
+            None => Vec::new(),
+        };
+        let final_dir = self.staged.commit()?;
+        Ok(WrittenCheckpoint {
+            dir: final_dir,
+            shards: layout.files,
+            tensors: layout.tensors,
+            tensor_bytes: layout.total_bytes,
+            quantized_linears: self.quantized_linears,
+            copied_files,
+        })
+    }
+
+    fn check_config_matches(&self, quantization: &QuantizationConfig) -> Result<(), ExportError> {
+        let config_format = match quantization {
+            QuantizationConfig::Gptq(_) => LinearFormat::Gptq,
+            QuantizationConfig::Nvfp4(_) => LinearFormat::Nvfp4,
+        };
+        match self.format {
+            Some(format) if format != config_format => Err(ExportError::Layout {
+                module: CONFIG_FILE.to_string(),
+                message: format!("a {config_format:?} config for {format:?} linears"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn write_configs(
+    dir: &Path,
+    mut model_config: Value,
+    quantization: &QuantizationConfig,
+) -> Result<(), ExportError> {
+    let config_path = dir.join(CONFIG_FILE);
+    let section = match quantization {
+        QuantizationConfig::Gptq(gptq) => {
+            write_json(&dir.join(QUANTIZE_CONFIG_FILE), gptq)?;
+            serde_json::to_value(gptq)
+        }
+        QuantizationConfig::Nvfp4(nvfp4) => {
+            write_json(&dir.join(HF_QUANT_CONFIG_FILE), &nvfp4.hf_quant_config())?;
+            serde_json::to_value(nvfp4.flat_config())
+        }
+    }
+    .map_err(|e| ExportError::Json {
+        path: config_path.clone(),
+        message: e.to_string(),
+    })?;
+    let Some(object) = model_config.as_object_mut() else {
+        return Err(ExportError::Json {
+            path: config_path,
+            message: "the model config is not a JSON object".to_string(),
+        });
+    };
+    object.insert("quantization_config".to_string(), section);
+    write_json(&config_path, &model_config)
+}
+
+/// Copies the tokenizer, chat template, generation config and `*.py` files (names sorted).
+fn copy_side_files(source: &Path, dir: &Path) -> Result<Vec<String>, ExportError> {
+    let mut copied = Vec::new();
+    for entry in fs::read_dir(source).map_err(ExportError::io(source))? {
+        let entry = entry.map_err(ExportError::io(source))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if !path.is_file() || !is_side_file(&name) || dir.join(&name).exists() {
+            continue;
+        }
+        fs::copy(&path, dir.join(&name)).map_err(ExportError::io(&path))?;
+        copied.push(name);
+    }
+    copied.sort();
+    Ok(copied)
+}
+
+fn is_side_file(name: &str) -> bool {
+    SIDE_FILES.contains(&name)
+        || Path::new(name)
+            .extension()
+            .is_some_and(|e| e == "py" || e == "jinja")
+}
