@@ -1,0 +1,131 @@
+//! Errors of the facade. Each names what the user has to fix.
+
+use thiserror::Error;
+
+/// A plan that a loader would refuse, or options that do not make sense together.
+#[derive(Debug, Error)]
+pub enum PlanError {
+    /// `--layer-bits` item that does not parse.
+    #[error("--layer-bits: cannot parse {item:?} (expected `layer:bits` or `first-last:bits`, e.g. \"0:4,2-7:8,8:16\")")]
+    LayerBits {
+        /// The item.
+        item: String,
+    },
+    /// A layer index beyond the model.
+    #[error("--layer-bits names layer {layer}, but the model has {layers} layers")]
+    LayerOutOfRange {
+        /// The layer named.
+        layer: usize,
+        /// Layers in the model.
+        layers: usize,
+    },
+    /// A bit width the recipe cannot produce.
+    #[error("{bits} bits is not possible with the {recipe} recipe (allowed: {allowed})")]
+    Bits {
+        /// Requested bits.
+        bits: u32,
+        /// Recipe name.
+        recipe: &'static str,
+        /// What is allowed.
+        allowed: &'static str,
+    },
+    /// A linear whose shape breaks a serving kernel's rule.
+    #[error("{linear} [{out_features}x{in_features}] breaks the loader rule {rule}; exclude it (--exclude) or change the plan")]
+    Shape {
+        /// Module name.
+        linear: String,
+        /// Rows.
+        out_features: usize,
+        /// Columns.
+        in_features: usize,
+        /// The rule.
+        rule: String,
+    },
+    /// Members of a fused group (q/k/v or gate/up) at different precisions.
+    #[error("fused group {group} mixes precisions ({members}); vLLM and SGLang refuse this")]
+    FusedMismatch {
+        /// Group name.
+        group: String,
+        /// Member treatments.
+        members: String,
+    },
+    /// A regular expression that does not compile.
+    #[error("--exclude {pattern:?}: {message}")]
+    Regex {
+        /// The pattern.
+        pattern: String,
+        /// The regex crate's message.
+        message: String,
+    },
+}
+
+/// Anything that stops a quantization run. The output directory is then absent (or, with
+/// `overwrite`, the previous one untouched).
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    /// The plan was refused.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Reading the model or running it.
+    #[error(transparent)]
+    Model(#[from] sala_model::ModelError),
+    /// Calibration data.
+    #[error(transparent)]
+    Calib(#[from] sala_calib::CalibError),
+    /// A solver.
+    #[error("{linear}: {source}")]
+    Solve {
+        /// The linear being solved.
+        linear: String,
+        /// What failed.
+        source: sala_hessian::HessianError,
+    },
+    /// Smoothing.
+    #[error("smoothing {group}: {source}")]
+    Smooth {
+        /// The group's source.
+        group: String,
+        /// What failed.
+        source: sala_smooth::SmoothError,
+    },
+    /// Packing into a format.
+    #[error("{linear}: {source}")]
+    Format {
+        /// The linear.
+        linear: String,
+        /// What failed.
+        source: sala_formats::FormatError,
+    },
+    /// Writing or verifying the checkpoint.
+    #[error(transparent)]
+    Export(#[from] sala_export::ExportError),
+    /// The written checkpoint breaks a loader rule (the directory has been removed).
+    #[error("the written checkpoint failed verification:\n{0}")]
+    Verify(String),
+    /// The forward pass of one sample failed (and skipping was not asked for).
+    #[error("sample {sample} (calibration line {line}) failed in layer {layer}: {message}")]
+    Sample {
+        /// Sample index.
+        sample: usize,
+        /// Line in the calibration file.
+        line: usize,
+        /// Layer.
+        layer: usize,
+        /// What failed.
+        message: String,
+    },
+    /// No calibration sample is left.
+    #[error("no calibration samples: {0}")]
+    NoSamples(String),
+    /// Something the pipeline does not do yet.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// A file-system operation.
+    #[error("{path}: {message}")]
+    Io {
+        /// The path involved.
+        path: std::path::PathBuf,
+        /// What failed.
+        message: String,
+    },
+}

@@ -1,0 +1,95 @@
+//! Everything a quantization run is told, with the original scripts' defaults.
+
+use crate::plan::{PlanOptions, Recipe};
+use sala_hessian::{Damping, FailurePolicy, IntScheme, Nvfp4BlockSearch};
+use sala_model::{AttentionMode, Numerics, RunOptions};
+
+/// GPTQ solver options.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptqOptions {
+    /// Grid: [`IntScheme::SymmetricIst`] (`2·absmax/15`, AutoGPTQ; default),
+    /// [`IntScheme::SymmetricAbsMax`] (`absmax/7`, the original SALA script) or asymmetric.
+    pub scheme: IntScheme,
+    /// Relative damping `λ = damp · mean(diag H)` (default 0.01) and its retries.
+    pub damping: Damping,
+    /// Columns per lazy block (default 128).
+    pub block_size: usize,
+    /// Act-order (desc_act). Marlin serves it, at a cost; default off.
+    pub act_order: bool,
+    /// Static groups (monotone `g_idx` under act-order).
+    pub static_groups: bool,
+    /// Quantize with RTN when even the last damping retry cannot factor the Hessian.
+    pub rtn_fallback: bool,
+}
+
+impl Default for GptqOptions {
+    fn default() -> Self {
+        Self {
+            scheme: IntScheme::SymmetricIst,
+            damping: Damping::default(),
+            block_size: 128,
+            act_order: false,
+            static_groups: false,
+            rtn_fallback: false,
+        }
+    }
+}
+
+impl GptqOptions {
+    /// The failure policy this asks of the solver.
+    pub fn failure_policy(&self) -> FailurePolicy {
+        if self.rtn_fallback {
+            FailurePolicy::Rtn
+        } else {
+            FailurePolicy::Error
+        }
+    }
+}
+
+/// All options of a run.
+#[derive(Debug, Clone)]
+pub struct QuantizeOptions {
+    /// Which linears get which treatment.
+    pub plan: PlanOptions,
+    /// GPTQ solver options (GPTQ recipe).
+    pub gptq: GptqOptions,
+    /// Block-scale search (NVFP4 recipe): iterations, maximum shrink, error norm.
+    pub nvfp4_search: Nvfp4BlockSearch,
+    /// SmoothQuant migration strength α; `None` turns smoothing off (default 0.5).
+    pub smooth_alpha: Option<f32>,
+    /// How the model runs (numerics, dense mode for minicpm4 layers).
+    pub run: RunOptions,
+    /// Bytes of host memory the hidden states of all samples may take; beyond it they go to a
+    /// memory-mapped file in the output's parent directory. `None`: no limit.
+    pub max_host_memory: Option<u64>,
+    /// Count and skip a sample whose forward pass fails instead of stopping (reported).
+    pub skip_failed_samples: bool,
+    /// Also quantize every linear with RTN to report its error next to the solver's.
+    pub compare_rtn: bool,
+    /// Replace an existing output directory (only once the new one is complete).
+    pub overwrite: bool,
+    /// Maximum bytes per safetensors shard.
+    pub max_shard_bytes: u64,
+}
+
+impl QuantizeOptions {
+    /// The original scripts' defaults for `recipe`: α = 0.5, dense attention, bf16 rounding.
+    pub fn new(recipe: Recipe) -> Self {
+        Self {
+            plan: PlanOptions::new(recipe),
+            gptq: GptqOptions::default(),
+            nvfp4_search: Nvfp4BlockSearch::default(),
+            smooth_alpha: Some(0.5),
+            run: RunOptions {
+                numerics: Numerics::Bf16Rounding,
+                attention: AttentionMode::Dense,
+                ..RunOptions::default()
+            },
+            max_host_memory: None,
+            skip_failed_samples: false,
+            compare_rtn: true,
+            overwrite: false,
+            max_shard_bytes: sala_export::DEFAULT_MAX_SHARD_BYTES,
+        }
+    }
+}

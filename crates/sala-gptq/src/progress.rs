@@ -1,0 +1,34 @@
+//! Progress callbacks, so a binary can draw bars without the library knowing how.
+
+/// The stages of one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Running the layer on every sample and accumulating statistics.
+    Capture,
+    /// Smoothing and solving every linear.
+    Solve,
+    /// Re-running the quantized layer to produce the next layer's inputs.
+    Propagate,
+}
+
+/// Receives progress; every method has a do-nothing default.
+pub trait Progress {
+    /// The run starts: `layers` decoder layers, `samples` calibration samples.
+    fn start(&mut self, _layers: usize, _samples: usize) {}
+    /// A layer begins.
+    fn layer(&mut self, _layer: usize) {}
+    /// A stage of the current layer begins, with `steps` steps.
+    fn stage(&mut self, _stage: Stage, _steps: usize) {}
+    /// One step of the current stage is done.
+    fn step(&mut self) {}
+    /// A message worth showing (a warning, a skipped sample).
+    fn message(&mut self, _text: &str) {}
+    /// The run is over.
+    fn finish(&mut self) {}
+}
+
+/// Reports nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {}
