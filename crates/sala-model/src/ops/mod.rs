@@ -1,0 +1,16 @@
+//! The building blocks of the forward pass, each a small function over Burn tensors.
+
+pub mod attention;
+pub mod gla;
+pub mod norm;
+pub mod rope;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::numerics::Numerics;
+
+/// `y = x Wᵀ` for `x` `[tokens, in]` and `w` `[out, in]`, rounded like a bf16 GEMM output.
+pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, numerics: Numerics) -> Tensor<B, 2> {
+    numerics.round(x.matmul(w.transpose()))
+}

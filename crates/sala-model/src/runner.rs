@@ -1,0 +1,355 @@
+//! The decoder graph, run one layer at a time: embedding, decoder layers (with a tap on every
+//! linear's input), final norm and `lm_head`.
+
+use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
+use crate::error::{ModelError, Result};
+use crate::host::{HeadWeights, HostTensor, LayerWeights};
+use crate::numerics::Numerics;
+use crate::ops::attention::{causal_attention, DEFAULT_SCORE_BUDGET};
+use crate::ops::gla;
+use crate::ops::linear;
+use crate::ops::norm::rms_norm;
+use crate::ops::rope::{apply_rope, RopeTables};
+use crate::store::TensorStore;
+
+/// How minicpm4 layers treat sequences of `dense_len` tokens or more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionMode {
+    /// Follow the config: a sequence at or beyond `sparse_config.dense_len` is an error,
+    /// because InfLLM-v2 sparse attention is not implemented.
+    #[default]
+    FollowConfig,
+    /// Plain causal attention at every length (the original calibration's
+    /// `dense_len = 655360` override).
+    Dense,
+}
+
+/// Options of a [`LayerRunner`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Where to round to bf16.
+    pub numerics: Numerics,
+    /// Dense-mode switch for minicpm4 layers.
+    pub attention: AttentionMode,
+    /// Tokens per chunk of the chunked GLA (lightning layers).
+    pub gla_chunk: usize,
+    /// Maximum score-matrix elements per query block of softmax attention.
+    pub score_budget: usize,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            numerics: Numerics::F32,
+            attention: AttentionMode::FollowConfig,
+            gla_chunk: 64,
+            score_budget: DEFAULT_SCORE_BUDGET,
+        }
+    }
+}
+
+/// Runs the model's pieces on backend `B`, one sequence (positions `0..T`) per call.
+///
+/// Hidden states are `Tensor<B, 2>` `[tokens, hidden_size]`, f32 (holding bf16 values under
+/// [`Numerics::Bf16Rounding`]).
+#[derive(Debug, Clone)]
+pub struct LayerRunner<B: Backend> {
+    config: SalaConfig,
+    device: B::Device,
+    options: RunOptions,
+}
+
+/// A layer's weights converted to device tensors, checked against the config.
+struct DeviceLayer<'a, B: Backend> {
+    weights: &'a LayerWeights,
+    prefix: String,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> DeviceLayer<'_, B> {
+    fn tensor<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
+        let full = format!("{}.{name}.weight", self.prefix);
+        let host = self.weights.get(&full)?;
+        check_host_shape(&full, host, &shape)?;
+        Ok(host.to_tensor(self.device))
+    }
+}
+
+fn check_host_shape(name: &str, host: &HostTensor, shape: &[usize]) -> Result<()> {
+    if host.shape != shape || host.data.len() != shape.iter().product::<usize>() {
+        return Err(ModelError::InvalidInput(format!(
+            "tensor {name} has shape {:?} with {} values, expected {shape:?}",
+            host.shape,
+            host.data.len()
+        )));
+    }
+    Ok(())
+}
+
+impl<B: Backend> LayerRunner<B> {
+    /// A runner for `config` on `device`.
+    pub fn new(config: SalaConfig, device: B::Device, options: RunOptions) -> Self {
+        Self {
+            config,
+            device,
+            options,
+        }
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &SalaConfig {
+        &self.config
+    }
+    /// The device tensors are created on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+    /// The options.
+    pub fn options(&self) -> RunOptions {
+        self.options
+    }
+
+    fn round<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.options.numerics.round(x)
+    }
+
+    /// Layer-0 input `[ids.len(), hidden]`: `embed_tokens[ids] · scale_emb`, reading only the
+    /// rows of `ids` from the store.
+    pub fn embed(&self, store: &TensorStore, ids: &[u32]) -> Result<Tensor<B, 2>> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidInput("empty token sequence".to_owned()));
+        }
+        let rows = store.rows_f32(EMBED_TOKENS, ids)?;
+        check_host_shape(EMBED_TOKENS, &rows, &[ids.len(), self.config.hidden_size()])?;
+        let scaled = rows
+            .to_tensor::<B, 2>(&self.device)
+            .mul_scalar(self.config.embedding_scale());
+        Ok(self.round(scaled))
+    }
+
+    /// Logits `[tokens, vocab]` (f32) from the last layer's output: final RMSNorm, division by
+    /// `hidden_size / dim_model_base`, `lm_head`.
+    pub fn logits(&self, head: &HeadWeights, hidden: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        let width = self.config.hidden_size();
+        self.check_hidden(&hidden)?;
+        check_host_shape("model.norm.weight", &head.final_norm, &[width])?;
+        check_host_shape(
+            self.config.lm_head_name(),
+            &head.lm_head,
+            &[self.config.vocab_size(), width],
+        )?;
+        let normed = self.norm(hidden, head.final_norm.to_tensor(&self.device));
+        let scaled = self.round(normed.div_scalar(self.config.logit_divisor()));
+        let lm_head = head.lm_head.to_tensor::<B, 2>(&self.device);
+        Ok(linear(scaled, lm_head, self.options.numerics))
+    }
+
+    fn check_hidden(&self, hidden: &Tensor<B, 2>) -> Result<()> {
+        let [tokens, width] = hidden.dims();
+        if tokens == 0 || width != self.config.hidden_size() {
+            return Err(ModelError::InvalidInput(format!(
+                "hidden states have shape [{tokens}, {width}], expected [tokens > 0, {}]",
+                self.config.hidden_size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn norm(&self, x: Tensor<B, 2>, weight: Tensor<B, 1>) -> Tensor<B, 2> {
+        rms_norm(x, weight, self.config.rms_norm_eps(), self.options.numerics)
+    }
+
+    /// Runs decoder layer `weights.layer` on `hidden` `[tokens, hidden]` and returns its output.
+    ///
+    /// `tap(name, x)` is called once per linear, in forward order, with the full module name
+    /// (`model.layers.3.self_attn.q_proj`) and the exact `[tokens, in]` tensor that linear
+    /// multiplies. Linears reading the same input (q/k/v and the gate; gate/up) get the same
+    /// tensor, one call per name; the clone is a reference, not a copy.
+    pub fn run_layer<F>(
+        &self,
+        weights: &LayerWeights,
+        hidden: Tensor<B, 2>,
+        mut tap: F,
+    ) -> Result<Tensor<B, 2>>
+    where
+        F: FnMut(&str, &Tensor<B, 2>),
+    {
+        self.check_hidden(&hidden)?;
+        let layer = weights.layer;
+        if layer >= self.config.num_layers() || weights.kind != self.config.layer_kind(layer) {
+            return Err(ModelError::InvalidInput(format!(
+                "weights of layer {layer} ({:?}) do not match the config",
+                weights.kind
+            )));
+        }
+        let w = DeviceLayer::<B> {
+            weights,
+            prefix: format!("model.layers.{layer}"),
+            device: &self.device,
+        };
+        let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
+        let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
+            tap(&format!("{}.{name}", w.prefix), &x);
+            Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
+        };
+        let residual = self.config.residual_scale();
+
+        let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?);
+        let mixed = match weights.kind {
+            LayerKind::Minicpm4 => self.minicpm4(layer, a, &mut apply)?,
+            LayerKind::Lightning => self.lightning(&w, a, &mut apply)?,
+            LayerKind::Llama => self.llama(a, &mut apply)?,
+        };
+        let h = self.round(hidden + self.round(mixed.mul_scalar(residual)));
+
+        let m = self.norm(
+            h.clone(),
+            w.tensor("post_attention_layernorm", [hidden_size])?,
+        );
+        let gate = apply("mlp.gate_proj", m.clone(), [inter, hidden_size])?;
+        let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
+        let act = self.round(self.round(silu(gate)) * up);
+        let down = apply("mlp.down_proj", act, [hidden_size, inter])?;
+        Ok(self.round(h + self.round(down.mul_scalar(residual))))
+    }
+
+    /// q/k/v projections of `a` into `[tokens, heads, d]` views.
+    fn project_qkv(
+        &self,
+        a: &Tensor<B, 2>,
+        dims: HeadDims,
+        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+    ) -> Result<[Tensor<B, 3>; 3]> {
+        let hidden = self.config.hidden_size();
+        let tokens = a.dims()[0];
+        let q = apply("self_attn.q_proj", a.clone(), [dims.q_width(), hidden])?;
+        let k = apply("self_attn.k_proj", a.clone(), [dims.kv_width(), hidden])?;
+        let v = apply("self_attn.v_proj", a.clone(), [dims.kv_width(), hidden])?;
+        Ok([
+            q.reshape([tokens, dims.heads, dims.head_dim]),
+            k.reshape([tokens, dims.kv_heads, dims.head_dim]),
+            v.reshape([tokens, dims.kv_heads, dims.head_dim]),
+        ])
+    }
+
+    fn softmax_attention(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [tokens, heads, d] = q.dims();
+        let out = causal_attention(q, k, v, self.options.score_budget);
+        self.round(out.reshape([tokens, heads * d]))
+    }
+
+    /// Sparse-layer mixer in dense mode: GQA causal attention without RoPE, times
+    /// `sigmoid(o_gate(a))`, then `o_proj`.
+    fn minicpm4(
+        &self,
+        layer: usize,
+        a: Tensor<B, 2>,
+        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+    ) -> Result<Tensor<B, 2>> {
+        let tokens = a.dims()[0];
+        if let (AttentionMode::FollowConfig, Some(dense_len)) =
+            (self.options.attention, self.config.dense_len())
+        {
+            if tokens >= dense_len {
+                return Err(ModelError::SparseAttentionRequired {
+                    layer,
+                    tokens,
+                    dense_len,
+                });
+            }
+        }
+        let dims = self.config.attention_heads();
+        let hidden = self.config.hidden_size();
+        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
+        let gate = apply("self_attn.o_gate", a, [dims.q_width(), hidden])?;
+        let att = self.softmax_attention(q, k, v);
+        let gated = self.round(att * self.round(sigmoid(gate)));
+        apply("self_attn.o_proj", gated, [hidden, dims.q_width()])
+    }
+
+    /// Lightning mixer: q/k RMSNorm per head, RoPE, Simple GLA in f32, `o_norm` over all
+    /// heads, times `sigmoid(z_proj(a))`, then `o_proj`.
+    fn lightning(
+        &self,
+        w: &DeviceLayer<'_, B>,
+        a: Tensor<B, 2>,
+        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+    ) -> Result<Tensor<B, 2>> {
+        let dims = self.config.lightning_heads().ok_or_else(|| {
+            ModelError::InvalidInput("lightning layer without lightning heads".into())
+        })?;
+        let (tokens, hidden) = (a.dims()[0], self.config.hidden_size());
+        let (heads, d) = (dims.heads, dims.head_dim);
+        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
+        let head_norm = |x: Tensor<B, 3>, name: &str| -> Result<Tensor<B, 3>> {
+            let flat = x.reshape([tokens * heads, d]);
+            Ok(self
+                .norm(flat, w.tensor(name, [d])?)
+                .reshape([tokens, heads, d]))
+        };
+        let rope = RopeTables::<B>::new(tokens, d, self.config.rope_theta(), &self.device);
+        let q = apply_rope(
+            head_norm(q, "self_attn.q_norm")?,
+            &rope,
+            self.options.numerics,
+        );
+        let k = apply_rope(
+            head_norm(k, "self_attn.k_norm")?,
+            &rope,
+            self.options.numerics,
+        );
+        let scale = 1.0 / (d as f64).sqrt();
+        let out = gla::chunked(
+            q.mul_scalar(scale).swap_dims(0, 1),
+            k.swap_dims(0, 1),
+            v.swap_dims(0, 1),
+            &gla::log_decays(heads),
+            self.options.gla_chunk,
+        );
+        let out = self.round(out.swap_dims(0, 1).reshape([tokens, heads * d]));
+        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
+        let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
+        let gated = self.round(out * self.round(sigmoid(gate)));
+        apply("self_attn.o_proj", gated, [hidden, heads * d])
+    }
+
+    /// Llama mixer: RoPE on q and k, GQA causal attention, `o_proj`.
+    fn llama(
+        &self,
+        a: Tensor<B, 2>,
+        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+    ) -> Result<Tensor<B, 2>> {
+        let dims = self.config.attention_heads();
+        let tokens = a.dims()[0];
+        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
+        let rope = RopeTables::<B>::new(
+            tokens,
+            dims.head_dim,
+            self.config.rope_theta(),
+            &self.device,
+        );
+        let q = apply_rope(q, &rope, self.options.numerics);
+        let k = apply_rope(k, &rope, self.options.numerics);
+        let att = self.softmax_attention(q, k, v);
+        apply(
+            "self_attn.o_proj",
+            att,
+            [self.config.hidden_size(), dims.q_width()],
+        )
+    }
+
+    /// The whole model on one sequence: embedding, every layer (loaded one at a time from
+    /// `store`), final norm and `lm_head`. Returns logits `[ids.len(), vocab]`.
+    pub fn forward_logits(&self, store: &TensorStore, ids: &[u32]) -> Result<Tensor<B, 2>> {
+        let mut hidden = self.embed(store, ids)?;
+        for layer in 0..self.config.num_layers() {
+            let weights = LayerWeights::load(store, &self.config, layer)?;
+            hidden = self.run_layer(&weights, hidden, |_, _| {})?;
+        }
+        self.logits(&HeadWeights::load(store, &self.config)?, hidden)
+    }
+}

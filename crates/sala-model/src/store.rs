@@ -1,0 +1,316 @@
+//! Memory-mapped safetensors checkpoints: one `model.safetensors` or shards listed in
+//! `model.safetensors.index.json`. Nothing is read until a tensor is asked for, so a 18 GB
+//! model costs only its page-cache footprint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+use crate::config::{SalaConfig, TensorSpec};
+use crate::error::{ModelError, Result};
+use crate::host::HostTensor;
+
+/// Single-file checkpoint name.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Shard index name.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Where a tensor lives and how it is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Storage dtype as safetensors names it.
+    pub dtype: Dtype,
+    /// Shape, row-major.
+    pub shape: Vec<usize>,
+    /// The shard file that holds it.
+    pub file: PathBuf,
+}
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    /// Byte offset of the data section (8-byte length + JSON header).
+    data_start: usize,
+}
+
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range inside the shard's data section.
+    range: (usize, usize),
+}
+
+/// Read-only view of all tensors of a model directory.
+pub struct TensorStore {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    entries: BTreeMap<String, Entry>,
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: HashMap<String, String>,
+}
+
+impl TensorStore {
+    /// Opens `dir/model.safetensors.index.json` if present, else `dir/model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join(INDEX_FILE);
+        let shard_names = if index_path.is_file() {
+            read_index(&index_path)?
+        } else {
+            vec![(SINGLE_FILE.to_owned(), None)]
+        };
+        let mut store = Self {
+            dir: dir.to_owned(),
+            shards: Vec::new(),
+            entries: BTreeMap::new(),
+        };
+        let mut shard_of_file: HashMap<String, usize> = HashMap::new();
+        for (file, _) in &shard_names {
+            if !shard_of_file.contains_key(file) {
+                shard_of_file.insert(file.clone(), store.shards.len());
+                store.add_shard(&dir.join(file))?;
+            }
+        }
+        // With an index, the index is authoritative: each listed tensor must be in its shard.
+        for (file, tensor) in &shard_names {
+            if let Some(tensor) = tensor {
+                let shard = shard_of_file[file];
+                match store.entries.get(tensor) {
+                    Some(e) if e.shard == shard => {}
+                    _ => {
+                        return Err(ModelError::MissingTensor {
+                            path: dir.join(file),
+                            tensor: tensor.clone(),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(store)
+    }
+
+    fn add_shard(&mut self, path: &Path) -> Result<()> {
+        let file = File::open(path).map_err(|source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        // SAFETY: the map is read-only; the usual caveat of memory maps applies (another process
+        // truncating the file while we read it is undefined behaviour), as for every mmap loader.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
+                path: path.to_owned(),
+                message: e.to_string(),
+            })?;
+        let shard = self.shards.len();
+        for (name, info) in metadata.tensors() {
+            if self.entries.contains_key(&name) {
+                return Err(ModelError::Safetensors {
+                    path: path.to_owned(),
+                    message: format!("tensor {name} appears in more than one shard"),
+                });
+            }
+            self.entries.insert(
+                name,
+                Entry {
+                    shard,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    range: info.data_offsets,
+                },
+            );
+        }
+        self.shards.push(Shard {
+            path: path.to_owned(),
+            mmap,
+            data_start: 8 + header_len,
+        });
+        Ok(())
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// Whether the checkpoint has tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.dir.clone(),
+                tensor: name.to_owned(),
+            })
+    }
+
+    /// Dtype, shape and shard file of tensor `name`.
+    pub fn info(&self, name: &str) -> Result<TensorInfo> {
+        let e = self.entry(name)?;
+        Ok(TensorInfo {
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            file: self.shards[e.shard].path.clone(),
+        })
+    }
+
+    /// The stored bytes of tensor `name` in their original dtype (little-endian, row-major),
+    /// for copying a tensor unchanged into another checkpoint.
+    pub fn raw_bytes(&self, name: &str) -> Result<&[u8]> {
+        let e = self.entry(name)?;
+        let shard = &self.shards[e.shard];
+        let start = shard.data_start + e.range.0;
+        let end = shard.data_start + e.range.1;
+        Ok(&shard.mmap[start..end])
+    }
+
+    /// Tensor `name` converted to f32 (from BF16, F16 or F32).
+    pub fn to_f32(&self, name: &str) -> Result<HostTensor> {
+        let e = self.entry(name)?;
+        let data = decode_f32(self.raw_bytes(name)?, e.dtype)
+            .ok_or_else(|| self.unsupported_dtype(name, e))?;
+        Ok(HostTensor::new(e.shape.clone(), data))
+    }
+
+    /// Rows `ids` of the 2-D tensor `name`, as f32 `[ids.len(), cols]`; reads only those rows
+    /// (used for the embedding lookup, which must not load a 73448 × 4096 matrix).
+    pub fn rows_f32(&self, name: &str, ids: &[u32]) -> Result<HostTensor> {
+        let e = self.entry(name)?;
+        let (rows, cols) = match e.shape[..] {
+            [rows, cols] => (rows, cols),
+            _ => {
+                return Err(ModelError::InvalidInput(format!(
+                    "tensor {name} has shape {:?}, rows_f32 needs a matrix",
+                    e.shape
+                )))
+            }
+        };
+        let elem = e.dtype.bitsize() / 8;
+        let bytes = self.raw_bytes(name)?;
+        let mut data = Vec::with_capacity(ids.len() * cols);
+        for &id in ids {
+            let row = id as usize;
+            if row >= rows {
+                return Err(ModelError::InvalidInput(format!(
+                    "token id {id} is out of range for {name} with {rows} rows"
+                )));
+            }
+            let slice = &bytes[row * cols * elem..(row + 1) * cols * elem];
+            data.extend(decode_f32(slice, e.dtype).ok_or_else(|| self.unsupported_dtype(name, e))?);
+        }
+        Ok(HostTensor::new(vec![ids.len(), cols], data))
+    }
+
+    fn unsupported_dtype(&self, name: &str, e: &Entry) -> ModelError {
+        ModelError::UnsupportedDtype {
+            path: self.shards[e.shard].path.clone(),
+            tensor: name.to_owned(),
+            dtype: format!("{:?}", e.dtype),
+        }
+    }
+
+    /// Checks that every tensor in `specs` exists with the expected shape and a float dtype.
+    pub fn check_specs(&self, specs: &[TensorSpec]) -> Result<()> {
+        for spec in specs {
+            let e = self.entry(&spec.name)?;
+            if !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                return Err(self.unsupported_dtype(&spec.name, e));
+            }
+            if e.shape != spec.shape {
+                return Err(ModelError::ShapeMismatch {
+                    path: self.shards[e.shard].path.clone(),
+                    tensor: spec.name.clone(),
+                    found: e.shape.clone(),
+                    expected: spec.shape.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every tensor the configuration requires (all layers and the global tensors).
+    /// Reads only headers, so it is cheap even for the full model.
+    pub fn check_config(&self, config: &SalaConfig) -> Result<()> {
+        self.check_specs(&config.global_tensor_specs())?;
+        for layer in 0..config.num_layers() {
+            self.check_specs(&config.layer_tensor_specs(layer))?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads the shard index and returns `(file, Some(tensor))` pairs; every file name must be a
+/// plain relative name so that a crafted index cannot make us map files elsewhere.
+fn read_index(index_path: &Path) -> Result<Vec<(String, Option<String>)>> {
+    let text = std::fs::read_to_string(index_path).map_err(|source| ModelError::Io {
+        path: index_path.to_owned(),
+        source,
+    })?;
+    let index: ShardIndex = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        path: index_path.to_owned(),
+        message: e.to_string(),
+    })?;
+    let mut pairs: Vec<(String, Option<String>)> = index
+        .weight_map
+        .into_iter()
+        .map(|(tensor, file)| (file, Some(tensor)))
+        .collect();
+    pairs.sort();
+    for (file, tensor) in &pairs {
+        if !is_plain_relative(file) {
+            return Err(ModelError::ShardOutsideDirectory {
+                index: index_path.to_owned(),
+                tensor: tensor.clone().unwrap_or_default(),
+                shard: file.clone(),
+            });
+        }
+    }
+    Ok(pairs)
+}
+
+/// True for `a.safetensors` or `sub/a.safetensors`; false for absolute paths and any `..`.
+fn is_plain_relative(file: &str) -> bool {
+    let path = Path::new(file);
+    !file.is_empty()
+        && path
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+/// Little-endian BF16 / F16 / F32 bytes to f32; `None` for other dtypes.
+pub(crate) fn decode_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+    let pairs = || {
+        bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    match dtype {
+        Dtype::BF16 => Some(pairs().map(|b| half::bf16::from_bits(b).to_f32()).collect()),
+        Dtype::F16 => Some(pairs().map(|b| half::f16::from_bits(b).to_f32()).collect()),
+        Dtype::F32 => Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ),
+        _ => None,
+    }
+}

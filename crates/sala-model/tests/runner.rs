@@ -1,0 +1,243 @@
+//! The layer runner: taps, weight replacement, dense mode, numerics, end to end.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::Tensor;
+use common::*;
+use sala_model::ops::norm::rms_norm;
+use sala_model::{
+    AttentionMode, LayerRunner, LayerWeights, ModelError, Numerics, RunOptions, SalaConfig,
+    TensorStore,
+};
+
+fn open(name: &str) -> (SalaConfig, TensorStore) {
+    let dir = fixtures().join(name);
+    let config = SalaConfig::from_file(&dir.join("config.json")).unwrap();
+    (config, TensorStore::open(&dir).unwrap())
+}
+
+fn ids(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 1 + (i * 37) % 2000).collect()
+}
+
+fn run_with_taps(
+    runner: &LayerRunner<B>,
+    weights: &LayerWeights,
+    hidden: Tensor<B, 2>,
+) -> (Tensor<B, 2>, Vec<String>, BTreeMap<String, Tensor<B, 2>>) {
+    let mut order = Vec::new();
+    let mut inputs = BTreeMap::new();
+    let out = runner
+        .run_layer(weights, hidden, |name, x| {
+            order.push(name.to_owned());
+            inputs.insert(name.to_owned(), x.clone());
+        })
+        .unwrap();
+    (out, order, inputs)
+}
+
+fn zero(weights: &mut LayerWeights, linear: &str) {
+    let name = format!("model.layers.{}.{linear}.weight", weights.layer);
+    weights.get_mut(&name).unwrap().data.fill(0.0);
+}
+
+fn weight(weights: &LayerWeights, linear: &str) -> Tensor<B, 2> {
+    let name = format!("model.layers.{}.{linear}.weight", weights.layer);
+    weights.get(&name).unwrap().to_tensor(&Default::default())
+}
+
+fn norm_weight(weights: &LayerWeights, norm: &str) -> Tensor<B, 1> {
+    let name = format!("model.layers.{}.{norm}.weight", weights.layer);
+    weights.get(&name).unwrap().to_tensor(&Default::default())
+}
+
+fn assert_close(a: Tensor<B, 2>, b: Tensor<B, 2>, what: &str) {
+    let (a, b) = (to_vec(a), to_vec(b));
+    let err = max_abs_diff(&a, &b);
+    assert!(
+        err <= 1e-5 * max_abs(&b).max(1.0),
+        "{what}: max error {err}"
+    );
+}
+
+/// Every linear is tapped once, in forward order, and the tapped tensor is the one the layer
+/// multiplies. Inputs of q/k/v/gates and gate/up are checked against the RMSNorm of the known
+/// residual; o_proj and down_proj through the layer's linearity in their weights: zeroing
+/// `down_proj` removes exactly `rs · x_down W_downᵀ` from the output, and zeroing `o_proj` too
+/// leaves the input unchanged.
+fn check_taps(model: &str, layer: usize) {
+    let (config, store) = open(model);
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let hidden = runner.embed(&store, &ids(40)).unwrap();
+    let weights = LayerWeights::load(&store, &config, layer).unwrap();
+    let (out, order, taps) = run_with_taps(&runner, &weights, hidden.clone());
+    let expected: Vec<String> = config
+        .linear_specs(layer)
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(order, expected);
+
+    let eps = config.rms_norm_eps();
+    let normed_in = rms_norm(
+        hidden.clone(),
+        norm_weight(&weights, "input_layernorm"),
+        eps,
+        Numerics::F32,
+    );
+    for spec in config.linear_specs(layer) {
+        let x = &taps[&spec.name];
+        assert_eq!(x.dims()[1], spec.in_features, "{}", spec.name);
+        let reads_layer_input = ["q_proj", "k_proj", "v_proj", "o_gate", "z_proj"]
+            .iter()
+            .any(|p| spec.name.ends_with(p));
+        if reads_layer_input {
+            assert_close(x.clone(), normed_in.clone(), &spec.name);
+        }
+    }
+
+    let rs = config.residual_scale();
+    let mut no_down = weights.clone();
+    zero(&mut no_down, "mlp.down_proj");
+    let (mid, _, _) = run_with_taps(&runner, &no_down, hidden.clone());
+    let down_x = taps[&expected[expected.len() - 1]].clone();
+    let down_y = down_x
+        .matmul(weight(&weights, "mlp.down_proj").transpose())
+        .mul_scalar(rs);
+    assert_close(out - mid.clone(), down_y, "down_proj");
+    let normed_post = rms_norm(
+        mid.clone(),
+        norm_weight(&weights, "post_attention_layernorm"),
+        eps,
+        Numerics::F32,
+    );
+    for name in ["gate_proj", "up_proj"] {
+        assert_close(
+            taps[&format!("model.layers.{layer}.mlp.{name}")].clone(),
+            normed_post.clone(),
+            name,
+        );
+    }
+
+    let o_x = taps[&format!("model.layers.{layer}.self_attn.o_proj")].clone();
+    let o_y = o_x
+        .matmul(weight(&weights, "self_attn.o_proj").transpose())
+        .mul_scalar(rs);
+    assert_close(mid.clone() - hidden.clone(), o_y, "o_proj");
+    let mut no_attn = no_down;
+    zero(&mut no_attn, "self_attn.o_proj");
+    let (unchanged, _, _) = run_with_taps(&runner, &no_attn, hidden.clone());
+    assert_eq!(to_vec(unchanged), to_vec(hidden));
+}
+
+#[test]
+fn taps_see_the_inputs_of_a_minicpm4_layer() {
+    check_taps("tiny-sala", 0);
+}
+
+#[test]
+fn taps_see_the_inputs_of_a_lightning_layer() {
+    check_taps("tiny-sala", 1);
+}
+
+#[test]
+fn taps_see_the_inputs_of_a_llama_layer() {
+    check_taps("tiny-llama", 2);
+}
+
+fn config_with_dense_len(dense_len: usize) -> SalaConfig {
+    let path = fixtures().join("tiny-sala/config.json");
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    value["sparse_config"]["dense_len"] = dense_len.into();
+    SalaConfig::from_json_str(&value.to_string(), Path::new("edited/config.json")).unwrap()
+}
+
+#[test]
+fn minicpm4_layer_refuses_long_sequences_unless_dense_mode() {
+    let (_, store) = open("tiny-sala");
+    let config = config_with_dense_len(16);
+    let strict = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let hidden = strict.embed(&store, &ids(16)).unwrap();
+    let sparse_layer = LayerWeights::load(&store, &config, 0).unwrap();
+    let err = strict
+        .run_layer(&sparse_layer, hidden.clone(), |_, _| {})
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ModelError::SparseAttentionRequired {
+            layer: 0,
+            tokens: 16,
+            dense_len: 16
+        }
+    ));
+    // One token fewer is dense under the config's own rule; lightning layers never care.
+    let shorter = strict.embed(&store, &ids(15)).unwrap();
+    strict.run_layer(&sparse_layer, shorter, |_, _| {}).unwrap();
+    let lightning = LayerWeights::load(&store, &config, 1).unwrap();
+    strict
+        .run_layer(&lightning, hidden.clone(), |_, _| {})
+        .unwrap();
+    let options = RunOptions {
+        attention: AttentionMode::Dense,
+        ..RunOptions::default()
+    };
+    let dense = LayerRunner::<B>::new(config, Default::default(), options);
+    let out = dense.run_layer(&sparse_layer, hidden, |_, _| {}).unwrap();
+    assert!(to_vec(out).iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let (config, store) = open("tiny-sala");
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    assert!(runner.embed(&store, &[]).is_err());
+    let weights = LayerWeights::load(&store, &config, 1).unwrap();
+    let err = runner
+        .run_layer(&weights, random([4, 100]), |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("[4, 100]"), "{err}");
+    let mut broken = weights.clone();
+    broken
+        .get_mut("model.layers.1.self_attn.q_proj.weight")
+        .unwrap()
+        .data
+        .pop();
+    let err = runner
+        .run_layer(&broken, random([4, 256]), |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("q_proj"), "{err}");
+    assert!(LayerWeights::load(&store, &config, 8).is_err());
+}
+
+/// The whole model runs; bf16 rounding changes logits only by bf16-sized amounts, and under
+/// `Bf16Rounding` every logit is a bf16 value.
+#[test]
+fn end_to_end_logits_in_both_numerics() {
+    let (config, store) = open("tiny-sala");
+    let tokens = ids(24);
+    let run = |numerics| {
+        let options = RunOptions {
+            numerics,
+            ..RunOptions::default()
+        };
+        let runner = LayerRunner::<B>::new(config.clone(), Default::default(), options);
+        to_vec(runner.forward_logits(&store, &tokens).unwrap())
+    };
+    let exact = run(Numerics::F32);
+    let rounded = run(Numerics::Bf16Rounding);
+    assert_eq!(exact.len(), tokens.len() * config.vocab_size());
+    assert!(exact.iter().all(|v| v.is_finite()));
+    assert!(rounded
+        .iter()
+        .all(|&v| half::bf16::from_f32(v).to_f32() == v));
+    let err = max_abs_diff(&exact, &rounded);
+    // bf16 has 8 significant bits (relative step 2^-8 ≈ 0.4%); after 8 layers a few steps.
+    assert!(
+        err > 0.0 && err < 0.1 * max_abs(&exact),
+        "max difference {err}"
+    );
+}

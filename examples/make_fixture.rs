@@ -1,0 +1,336 @@
+//! Writes the bundled tiny models `fixtures/tiny-sala/` and `fixtures/tiny-llama/`:
+//! a BPE tokenizer trained on `fixtures/text/train.txt`, seeded-random bf16 weights,
+//! `config.json`, `generation_config.json` and the tokenizer files.
+//!
+//! ```text
+//! cargo run --release --example make_fixture            # rewrites fixtures/tiny-{sala,llama}
+//! cargo run --release --example make_fixture -- --out /tmp/fx
+//! ```
+//!
+//! Tiny SALA: hidden 256, 8 layers, minicpm4 (sparse) at layers 0, 2, 5 and 7 (first and last
+//! sparse as in the released model, lightning elsewhere), 4 query heads × 64 with 2 KV heads
+//! (k/v out = 128), lightning 4 heads × 64 (a power of two, as the decay slopes require),
+//! intermediate 512, vocabulary 2048. Every linear has `in % 128 == 0` and `out % 64 == 0`.
+//! Norm weights have four outlier channels (gain 10) so that SmoothQuant has something to do.
+//! Output goes to a temporary directory next to the target, then is renamed into place.
+
+#![recursion_limit = "256"]
+
+use std::collections::BTreeMap;
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Distribution, Tensor};
+use burn_ndarray::NdArray;
+use clap::Parser;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use sala_model::{SalaConfig, TensorSpec};
+use serde_json::{json, Value};
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, TokenizerBuilder};
+
+type Backend = NdArray<f32>;
+type AnyError = Box<dyn Error + Send + Sync>;
+
+/// Vocabulary of both fixtures (special tokens included).
+const VOCAB: usize = 2048;
+/// Input channels of every layer norm that get a large gain (outliers for SmoothQuant).
+const OUTLIER_CHANNELS: [usize; 4] = [7, 61, 130, 201];
+const OUTLIER_GAIN: f32 = 10.0;
+
+#[derive(Parser)]
+#[command(about = "Regenerate the tiny SALA and Llama fixtures")]
+struct Args {
+    /// Fixtures directory (must contain text/train.txt); defaults to the repository's fixtures/.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 8)]
+    seed: u64,
+}
+
+fn main() -> Result<(), AnyError> {
+    let args = Args::parse();
+    let fixtures = args.out.unwrap_or_else(sala_quant::fixtures_dir);
+    let train = fixtures.join("text").join("train.txt");
+    let tokenizer = train_tokenizer(&train)?;
+    write_model(
+        &fixtures,
+        "tiny-sala",
+        &sala_config(),
+        &tokenizer,
+        args.seed,
+    )?;
+    write_model(
+        &fixtures,
+        "tiny-llama",
+        &llama_config(),
+        &tokenizer,
+        args.seed + 1,
+    )?;
+    Ok(())
+}
+
+/// Byte-level BPE with `<unk>` = 0, `<s>` = 1, `</s>` = 2; the post-processor prepends `<s>`.
+fn train_tokenizer(train: &Path) -> Result<String, AnyError> {
+    let specials = ["<unk>", "<s>", "</s>"];
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(VOCAB)
+        .min_frequency(2)
+        .special_tokens(
+            specials
+                .iter()
+                .map(|s| AddedToken::from(s.to_string(), true))
+                .collect(),
+        )
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let bos = TemplateProcessing::builder()
+        .try_single("<s> $A")?
+        .special_tokens(vec![("<s>", 1)])
+        .build()?;
+    let mut tokenizer = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
+        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
+        .with_post_processor(Some(bos))
+        .with_decoder(Some(ByteLevel::default()))
+        .build()?;
+    let file = train
+        .to_str()
+        .ok_or_else(|| format!("{}: path is not UTF-8", train.display()))?;
+    tokenizer.train_from_files(&mut trainer, vec![file.to_owned()])?;
+    for (id, token) in specials.iter().enumerate() {
+        if tokenizer.token_to_id(token) != Some(id as u32) {
+            return Err(format!("tokenizer: {token} did not get id {id}").into());
+        }
+    }
+    let size = tokenizer.get_vocab_size(true);
+    if size > VOCAB {
+        return Err(format!("tokenizer vocabulary {size} exceeds {VOCAB}").into());
+    }
+    tokenizer.to_string(true)
+}
+
+fn sala_config() -> Value {
+    let minicpm4_layers = [0, 2, 5, 7];
+    let mixer_types: Vec<&str> = (0..8)
+        .map(|i| {
+            if minicpm4_layers.contains(&i) {
+                "minicpm4"
+            } else {
+                "lightning-attn"
+            }
+        })
+        .collect();
+    json!({
+        "architectures": ["MiniCPMSALAForCausalLM"],
+        "model_type": "minicpm_sala",
+        "dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 8,
+        "hidden_act": "silu",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "lightning_nh": 4,
+        "lightning_nkv": 4,
+        "lightning_head_dim": 64,
+        "lightning_scale": "1/sqrt(d)",
+        "lightning_use_rope": true,
+        "attn_use_rope": false,
+        "qk_norm": true,
+        "use_output_norm": true,
+        "use_output_gate": true,
+        "attn_use_output_gate": true,
+        "attention_bias": false,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": null,
+        "max_position_embeddings": 524288,
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": 64,
+        "mup_denominator": 32,
+        "tie_word_embeddings": false,
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+        "pad_token_id": 2,
+        "pretraining_tp": 1,
+        "initializer_range": 0.1,
+        "attention_dropout": 0.0,
+        "use_cache": true,
+        "shift_labels": true,
+        "sparse_config": {
+            "block_size": 64, "dense_len": 8192, "init_blocks": 1, "kernel_size": 32,
+            "kernel_stride": 16, "topk": 64, "use_nope": false, "window_size": 2048
+        },
+        "mixer_types": mixer_types,
+        "auto_map": {
+            "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
+            "AutoModelForCausalLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM"
+        }
+    })
+}
+
+fn llama_config() -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "hidden_act": "silu",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": null,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": true,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "attention_dropout": 0.0,
+        "use_cache": true
+    })
+}
+
+/// Draws the values of one tensor. Scales keep activations near unit RMS: linears get
+/// std `1/sqrt(in)`, norms `1 ± 0.1` (times the outlier gain on a few channels), the
+/// embedding `1/scale_emb`, `lm_head` so that logits have a spread of about 2.
+fn init_tensor(spec: &TensorSpec, config: &SalaConfig) -> Vec<f32> {
+    let device = Default::default();
+    let n: usize = spec.shape.iter().product();
+    let normal = |std: f64| {
+        Tensor::<Backend, 1>::random([n], Distribution::Normal(0.0, std), &device)
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32 data")
+    };
+    let hidden = config.hidden_size() as f64;
+    let name = spec.name.as_str();
+    if name.ends_with("norm.weight") {
+        let mut w: Vec<f32> = normal(0.1).into_iter().map(|x| 1.0 + x).collect();
+        if name.ends_with("layernorm.weight") {
+            for c in OUTLIER_CHANNELS {
+                w[c] *= OUTLIER_GAIN;
+            }
+        }
+        w
+    } else if name == sala_model::EMBED_TOKENS {
+        normal(1.0 / config.embedding_scale())
+    } else if name == sala_model::LM_HEAD {
+        normal(2.0 * config.logit_divisor() / hidden.sqrt())
+    } else {
+        normal(1.0 / (spec.shape[1] as f64).sqrt())
+    }
+}
+
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
+fn write_model(
+    fixtures: &Path,
+    name: &str,
+    config_json: &Value,
+    tokenizer_json: &str,
+    seed: u64,
+) -> Result<(), AnyError> {
+    let config_text = serde_json::to_string_pretty(config_json)?;
+    let config = SalaConfig::from_json_str(&config_text, Path::new(name))?;
+    <Backend as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+
+    let mut specs = config.global_tensor_specs();
+    for layer in 0..config.num_layers() {
+        specs.extend(config.layer_tensor_specs(layer));
+    }
+    let mut bytes = BTreeMap::new();
+    for spec in &specs {
+        bytes.insert(spec.name.clone(), bf16_bytes(&init_tensor(spec, &config)));
+    }
+    let views = specs
+        .iter()
+        .map(|spec| {
+            let view = TensorView::new(Dtype::BF16, spec.shape.clone(), &bytes[&spec.name])?;
+            Ok((spec.name.clone(), view))
+        })
+        .collect::<Result<BTreeMap<_, _>, safetensors::SafeTensorError>>()?;
+
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .tempdir_in(fixtures)?;
+    let dir = tmp.path();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))?;
+    std::fs::write(dir.join("config.json"), config_text + "\n")?;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer_json)?;
+    write_json(&dir.join("generation_config.json"), &generation_config())?;
+    write_json(&dir.join("tokenizer_config.json"), &tokenizer_config())?;
+    write_json(
+        &dir.join("special_tokens_map.json"),
+        &json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
+    )?;
+
+    let target = fixtures.join(name);
+    if target.exists() {
+        std::fs::remove_dir_all(&target)?;
+    }
+    std::fs::rename(tmp.keep(), &target)?;
+    println!(
+        "wrote {} ({} tensors, {} layers)",
+        target.display(),
+        specs.len(),
+        config.num_layers()
+    );
+    Ok(())
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<(), AnyError> {
+    Ok(std::fs::write(
+        path,
+        serde_json::to_string_pretty(value)? + "\n",
+    )?)
+}
+
+fn generation_config() -> Value {
+    json!({
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+        "pad_token_id": 2,
+        "do_sample": true,
+        "temperature": 0.9,
+        "transformers_version": "4.57.1"
+    })
+}
+
+fn tokenizer_config() -> Value {
+    json!({
+        "add_bos_token": true,
+        "add_eos_token": false,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": null,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": 524288,
+        "tokenizer_class": "PreTrainedTokenizerFast"
+    })
+}
