@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+pub mod quantize_cli;
+
 /// The repository's `fixtures/` directory (bundled tiny models, calibration and held-out text).
 ///
 /// Resolved from the package's manifest directory at compile time, so examples run from any

@@ -42,7 +42,7 @@ pub enum ExportError {
     },
     /// The output directory is the source model directory or contains it.
     #[error(
-        "refusing to write {target}: it is (or contains) the source model directory {source_dir}"
+        "refusing to write {target}: it is, contains or lies inside the source model directory {source_dir}"
     )]
     TargetIsSource {
         /// The requested output directory.

@@ -20,21 +20,22 @@ pub struct StagedDir {
 impl StagedDir {
     /// Creates the staging directory in `target`'s parent (created if missing).
     ///
-    /// Fails if `target` exists and `overwrite` is false, or if `target` is `source` or one of
-    /// its ancestors (replacing it would destroy the input).
+    /// Fails if `target` exists and `overwrite` is false, or if `target` is `source`, one of its
+    /// ancestors (replacing it would destroy the input) or inside it.
     pub fn create(
         target: &Path,
         overwrite: bool,
         source: Option<&Path>,
     ) -> Result<Self, ExportError> {
         let (parent, name) = split_target(target)?;
+        // Checked before anything is created, so a refused target leaves no directory behind.
+        if let Some(source) = source {
+            refuse_source(&resolve_lenient(&parent)?.join(&name), source)?;
+        }
         fs::create_dir_all(&parent).map_err(ExportError::io(&parent))?;
         let resolved = fs::canonicalize(&parent)
             .map_err(ExportError::io(&parent))?
             .join(&name);
-        if let Some(source) = source {
-            refuse_source(&resolved, source)?;
-        }
         if resolved.exists() && !overwrite {
             return Err(ExportError::TargetExists {
                 path: target.to_path_buf(),
@@ -112,9 +113,30 @@ fn split_target(target: &Path) -> Result<(PathBuf, std::ffi::OsString), ExportEr
     Ok((parent, name.to_os_string()))
 }
 
+/// `path` with its longest existing ancestor canonicalized and the rest appended as given.
+fn resolve_lenient(path: &Path) -> Result<PathBuf, ExportError> {
+    let mut existing = path;
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => break,
+        }
+    }
+    let base = if existing.as_os_str().is_empty() { Path::new(".") } else { existing };
+    let mut resolved = fs::canonicalize(base).map_err(ExportError::io(base))?;
+    resolved.extend(rest.iter().rev());
+    Ok(resolved)
+}
+
 fn refuse_source(resolved_target: &Path, source: &Path) -> Result<(), ExportError> {
     let source = fs::canonicalize(source).map_err(ExportError::io(source))?;
-    if source.starts_with(resolved_target) {
+    // The target must neither be the source, nor hold it, nor sit inside it (a checkpoint
+    // written into the model directory would mix with the model's own files).
+    if source.starts_with(resolved_target) || resolved_target.starts_with(&source) {
         return Err(ExportError::TargetIsSource {
             target: resolved_target.to_path_buf(),
             source_dir: source,
@@ -178,5 +200,12 @@ mod tests {
             ));
         }
         assert!(StagedDir::create(&root.path().join("q"), false, Some(&source)).is_ok());
+        // Inside the source, even in a directory that does not exist yet: refused, nothing created.
+        let inside = source.join("sub/q");
+        assert!(matches!(
+            StagedDir::create(&inside, false, Some(&source)),
+            Err(ExportError::TargetIsSource { .. })
+        ));
+        assert!(!source.join("sub").exists());
     }
 }

@@ -9,12 +9,14 @@
 //! - [`pipeline`]: the layer-by-layer data path ([`Pipeline`]): capture, smooth, solve, write,
 //!   propagate; then verify;
 //! - [`smoothing`]: SmoothQuant groups from the model's wiring, folded exactly;
+//! - [`evaluate`]: running an exported checkpoint (either format) for comparisons;
 //! - [`report`]: what happened, per linear and per layer ([`Report`]);
 //! - [`progress`]: callbacks for progress bars.
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
 
 mod error;
+pub mod evaluate;
 mod hidden;
 pub mod options;
 pub mod pipeline;

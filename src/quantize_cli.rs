@@ -1,0 +1,375 @@
+//! The `quantize_sala` command: a thin layer of flags over the `sala-gptq` facade, kept in the
+//! library so that its error paths are tested (`tests/quantize_cli.rs`); the example binary only
+//! parses and prints.
+
+use clap::{Parser, ValueEnum};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use regex::Regex;
+use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
+use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
+use sala_gptq::model::{AttentionMode, Numerics, SalaConfig};
+use sala_gptq::{
+    CpuBackend, LayerBits, Nvfp4Coverage, Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe,
+    Sample, Stage,
+};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Quantize MiniCPM-SALA (GPTQ W4A16 or NVFP4) into a checkpoint SGLang and vLLM serve"
+)]
+pub struct Args {
+    /// Model directory (config.json, safetensors, tokenizer.json). Default: the bundled tiny SALA.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// Output directory (must not exist unless --overwrite). Default: target/quantized/<model>-<recipe>.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Recipe.
+    #[arg(long, value_enum, default_value_t = RecipeArg::Gptq)]
+    recipe: RecipeArg,
+    /// Bits of quantized linears (GPTQ: 2, 4 or 8; NVFP4: 4); 16 keeps bf16.
+    #[arg(long, default_value_t = 4)]
+    bits: u32,
+    /// Input columns per GPTQ group (32, 64 or 128).
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// Bits for minicpm4 (sparse-attention) layers.
+    #[arg(long)]
+    minicpm4_bits: Option<u32>,
+    /// Bits for lightning (linear-attention) layers.
+    #[arg(long)]
+    lightning_bits: Option<u32>,
+    /// Per-layer bits, e.g. "0:4,2-7:8,8:16" (priority: layer > type > --bits).
+    #[arg(long, default_value = "")]
+    layer_bits: String,
+    /// Keep modules whose name matches (from the start) in 16 bits; repeatable.
+    #[arg(long)]
+    exclude: Vec<String>,
+    /// Quantize lm_head too.
+    #[arg(long)]
+    quantize_lm_head: bool,
+    /// NVFP4 coverage: minicpm4 attention bf16 (original default), all linears, or MLP only.
+    #[arg(long, value_enum, default_value_t = CoverageArg::Minicpm4Bf16)]
+    nvfp4_coverage: CoverageArg,
+    /// Calibration JSONL (`question`, `text` or `messages` per line). Default: the bundled set.
+    #[arg(long)]
+    calib_data: Option<PathBuf>,
+    /// Calibration samples (the file is repeated cyclically when shorter). Default 96, or every
+    /// record of the bundled set once when --input is not given.
+    #[arg(long)]
+    max_samples: Option<usize>,
+    /// Longest calibration sample in tokens (the head is kept). Default 131072, or 2048 for the
+    /// bundled tiny model (its long samples would make the CPU run take minutes).
+    #[arg(long)]
+    max_len: Option<usize>,
+    /// Skip malformed JSONL lines (counted) instead of failing.
+    #[arg(long)]
+    skip_malformed: bool,
+    /// SmoothQuant migration strength α.
+    #[arg(long, default_value_t = 0.5)]
+    smooth_alpha: f32,
+    /// Turn SmoothQuant off.
+    #[arg(long)]
+    no_smooth: bool,
+    /// GPTQ relative damping.
+    #[arg(long, default_value_t = 0.01)]
+    damp: f64,
+    /// Symmetric GPTQ grid (default).
+    #[arg(long, overrides_with = "no_sym")]
+    sym: bool,
+    /// Asymmetric GPTQ grid.
+    #[arg(long)]
+    no_sym: bool,
+    /// Symmetric grid: `ist` (2·absmax/15, AutoGPTQ) or `absmax7` (absmax/7, the original script).
+    #[arg(long, value_enum, default_value_t = GridArg::Ist)]
+    grid: GridArg,
+    /// GPTQ act-order (desc_act).
+    #[arg(long)]
+    act_order: bool,
+    /// GPTQ static groups.
+    #[arg(long)]
+    static_groups: bool,
+    /// Fall back to RTN for a linear whose Hessian cannot be factored even after retries.
+    #[arg(long)]
+    rtn_fallback: bool,
+    /// NVFP4 block-scale search iterations (1 = plain max calibration).
+    #[arg(long, default_value_t = 120)]
+    mse_iters: usize,
+    /// NVFP4 search: smallest candidate is (1 − max_shrink) × the max-calibrated scale.
+    #[arg(long, default_value_t = 0.60)]
+    mse_max_shrink: f32,
+    /// NVFP4 search: error norm p in Σ|w − q|^p · E[x²].
+    #[arg(long, default_value_t = 2.0)]
+    mse_error_norm: f32,
+    /// Samples at or beyond this many tokens are refused (minicpm4 layers run dense attention
+    /// below it; the original scripts' override is 655360).
+    #[arg(long, default_value_t = 655360)]
+    dense_len: usize,
+    /// Run in f32 without the bf16 roundings of the reference model.
+    #[arg(long)]
+    f32: bool,
+    /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
+    #[arg(long)]
+    max_host_memory: Option<u64>,
+    /// Skip (and report) samples whose forward pass fails instead of stopping.
+    #[arg(long)]
+    skip_failed_samples: bool,
+    /// Replace an existing output directory (once the new one is complete).
+    #[arg(long)]
+    overwrite: bool,
+    /// Print the plan and exit.
+    #[arg(long)]
+    plan_only: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Accepted for compatibility with the original scripts: nothing in this pipeline is random.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// `--recipe`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum RecipeArg {
+    Gptq,
+    Nvfp4,
+}
+
+/// `--nvfp4-coverage`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum CoverageArg {
+    Minicpm4Bf16,
+    All,
+    MlpOnly,
+}
+
+/// `--grid`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum GridArg {
+    Ist,
+    Absmax7,
+}
+
+/// Runs the command: plan, calibration, quantization, report. Errors are one line each.
+pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()?;
+    }
+    let fixtures = crate::fixtures_dir();
+    let input = args
+        .input
+        .clone()
+        .unwrap_or_else(|| fixtures.join("tiny-sala"));
+    let recipe = match args.recipe {
+        RecipeArg::Gptq => Recipe::Gptq,
+        RecipeArg::Nvfp4 => Recipe::Nvfp4,
+    };
+    let options = options_from(&args, recipe)?;
+    let config = SalaConfig::from_file(&input.join("config.json"))?;
+    let plan = QuantPlan::build(&config, &options.plan)?;
+    if args.plan_only {
+        println!("{plan}");
+        return Ok(());
+    }
+    let default_output = args.output.is_none();
+    let output = args.output.clone().unwrap_or_else(|| {
+        let model = input
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("target/quantized")
+            .join(format!("{model}-{}", recipe_name(recipe)))
+    });
+    let options = QuantizeOptions {
+        // The default output under target/ is re-created on every run.
+        overwrite: args.overwrite || default_output,
+        ..options
+    };
+    let calib_path = args
+        .calib_data
+        .clone()
+        .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
+    let bundled = args.input.is_none();
+    let max_len = args.max_len.unwrap_or(if bundled { 2048 } else { 131_072 });
+    let max_samples = args.max_samples.or((!bundled).then_some(96));
+    let tokenizer = CalibTokenizer::from_model_dir(&input)?;
+    let calib = CalibSet::load(
+        &calib_path,
+        &tokenizer,
+        &CalibOptions {
+            max_len,
+            max_samples,
+            skip_malformed: args.skip_malformed,
+        },
+    )?;
+    let stats = CalibStats::of(&calib, Some(args.dense_len));
+    if let Some(long) = calib.at_or_above(args.dense_len).first() {
+        return Err(format!(
+            "{}: calibration line {} has {} tokens, at or beyond --dense-len {} (lower --max-len or raise --dense-len)",
+            calib_path.display(),
+            long.line,
+            long.tokens,
+            args.dense_len
+        )
+        .into());
+    }
+    if !args.quiet {
+        println!("{stats}");
+        println!("{plan}");
+    }
+    let samples: Vec<Sample> = calib
+        .samples
+        .iter()
+        .map(|s| Sample {
+            ids: s.ids.clone(),
+            line: s.line,
+        })
+        .collect();
+    if output.exists() && !options.overwrite {
+        return Err(format!(
+            "{}: the output directory exists (use --overwrite)",
+            output.display()
+        )
+        .into());
+    }
+    let pipeline = Pipeline::<CpuBackend>::new(Default::default(), options);
+    let mut progress = Bars::new(args.quiet);
+    let report = pipeline.run(&input, &output, &samples, &mut progress)?;
+    let json = serde_json::to_string_pretty(
+        &serde_json::json!({ "report": &report, "calibration": &stats }),
+    )?;
+    std::fs::write(output.join("quantization_report.json"), json)?;
+    println!("{report}");
+    println!(
+        "report: {}",
+        output.join("quantization_report.json").display()
+    );
+    Ok(())
+}
+
+fn recipe_name(recipe: Recipe) -> &'static str {
+    match recipe {
+        Recipe::Gptq => "gptq",
+        Recipe::Nvfp4 => "nvfp4",
+    }
+}
+
+fn options_from(
+    args: &Args,
+    recipe: Recipe,
+) -> Result<QuantizeOptions, Box<dyn std::error::Error>> {
+    let mut options = QuantizeOptions::new(recipe);
+    let plan = &mut options.plan;
+    plan.bits = args.bits;
+    plan.group_size = args.group_size;
+    plan.minicpm4_bits = args.minicpm4_bits;
+    plan.lightning_bits = args.lightning_bits;
+    plan.layer_bits = LayerBits::parse(&args.layer_bits)?;
+    plan.exclude = args
+        .exclude
+        .iter()
+        .map(|p| Regex::new(p).map_err(|e| format!("--exclude {p:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    plan.quantize_lm_head = args.quantize_lm_head;
+    plan.nvfp4_coverage = match args.nvfp4_coverage {
+        CoverageArg::Minicpm4Bf16 => Nvfp4Coverage::Minicpm4AttentionBf16,
+        CoverageArg::All => Nvfp4Coverage::All,
+        CoverageArg::MlpOnly => Nvfp4Coverage::MlpOnly,
+    };
+    options.gptq.scheme = match (args.no_sym, args.grid) {
+        (true, _) => IntScheme::Asymmetric,
+        (false, GridArg::Ist) => IntScheme::SymmetricIst,
+        (false, GridArg::Absmax7) => IntScheme::SymmetricAbsMax,
+    };
+    options.gptq.damping.percdamp = args.damp;
+    options.gptq.act_order = args.act_order;
+    options.gptq.static_groups = args.static_groups;
+    options.gptq.rtn_fallback = args.rtn_fallback;
+    options.nvfp4_search = Nvfp4BlockSearch {
+        iters: args.mse_iters,
+        max_shrink: args.mse_max_shrink,
+        error_norm: args.mse_error_norm,
+    };
+    options.smooth_alpha = (!args.no_smooth).then_some(args.smooth_alpha);
+    options.run.attention = AttentionMode::Dense;
+    if args.f32 {
+        options.run.numerics = Numerics::F32;
+    }
+    options.max_host_memory = args.max_host_memory.map(|mb| mb * 1_000_000);
+    options.skip_failed_samples = args.skip_failed_samples;
+    Ok(options)
+}
+
+/// indicatif bars: one for layers, one for the current stage's samples or linears.
+struct Bars {
+    bars: Option<(MultiProgress, ProgressBar, ProgressBar)>,
+}
+
+impl Bars {
+    fn new(quiet: bool) -> Self {
+        let bars = (!quiet).then(|| {
+            let multi = MultiProgress::new();
+            let style = ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} {msg}")
+                .expect("static template")
+                .progress_chars("=> ");
+            let layers = multi.add(
+                ProgressBar::new(0)
+                    .with_style(style.clone())
+                    .with_prefix("layers"),
+            );
+            let steps = multi.add(ProgressBar::new(0).with_style(style));
+            (multi, layers, steps)
+        });
+        Self { bars }
+    }
+}
+
+impl Progress for Bars {
+    fn start(&mut self, layers: usize, _samples: usize) {
+        if let Some((_, l, _)) = &self.bars {
+            l.set_length(layers as u64);
+        }
+    }
+    fn layer(&mut self, layer: usize) {
+        if let Some((_, l, _)) = &self.bars {
+            l.set_position(layer as u64);
+            l.set_message(format!("layer {layer}"));
+        }
+    }
+    fn stage(&mut self, stage: Stage, steps: usize) {
+        if let Some((_, _, s)) = &self.bars {
+            s.set_prefix(match stage {
+                Stage::Capture => "capture",
+                Stage::Solve => "solve",
+                Stage::Propagate => "propagate",
+            });
+            s.set_length(steps as u64);
+            s.set_position(0);
+        }
+    }
+    fn step(&mut self) {
+        if let Some((_, _, s)) = &self.bars {
+            s.inc(1);
+        }
+    }
+    fn message(&mut self, text: &str) {
+        match &self.bars {
+            Some((m, _, _)) => {
+                let _ = m.println(text);
+            }
+            None => eprintln!("{text}"),
+        }
+    }
+    fn finish(&mut self) {
+        if let Some((_, l, s)) = &self.bars {
+            l.finish_and_clear();
+            s.finish_and_clear();
+        }
+    }
+}
