@@ -5,12 +5,23 @@ use crate::error::PipelineError;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use sala_export::Checkpoint;
-use sala_model::{HeadWeights, HostTensor, LayerRunner, LayerWeights, SalaConfig, TensorStore, FINAL_NORM, LM_HEAD};
+use sala_model::{
+    HeadWeights, HostTensor, LayerRunner, LayerWeights, SalaConfig, TensorStore, FINAL_NORM,
+    LM_HEAD,
+};
 use std::collections::BTreeMap;
 
 /// Decoder layer `layer` of `checkpoint` as f32 host weights: linears dequantized, norms decoded.
-pub fn checkpoint_layer(checkpoint: &Checkpoint, config: &SalaConfig, layer: usize) -> Result<LayerWeights, PipelineError> {
-    let linears: Vec<String> = config.linear_specs(layer).into_iter().map(|s| s.weight_name()).collect();
+pub fn checkpoint_layer(
+    checkpoint: &Checkpoint,
+    config: &SalaConfig,
+    layer: usize,
+) -> Result<LayerWeights, PipelineError> {
+    let linears: Vec<String> = config
+        .linear_specs(layer)
+        .into_iter()
+        .map(|s| s.weight_name())
+        .collect();
     let mut tensors = BTreeMap::new();
     for spec in config.layer_tensor_specs(layer) {
         let dense = if linears.contains(&spec.name) {
@@ -19,13 +30,15 @@ pub fn checkpoint_layer(checkpoint: &Checkpoint, config: &SalaConfig, layer: usi
             checkpoint.tensor_f32(&spec.name)?
         };
         if dense.shape != spec.shape {
-            return Err(PipelineError::Model(sala_model::ModelError::InvalidInput(format!(
-                "{}: {} has shape {:?}, the config expects {:?}",
-                checkpoint.dir().display(),
-                spec.name,
-                dense.shape,
-                spec.shape
-            ))));
+            return Err(PipelineError::Model(sala_model::ModelError::InvalidInput(
+                format!(
+                    "{}: {} has shape {:?}, the config expects {:?}",
+                    checkpoint.dir().display(),
+                    spec.name,
+                    dense.shape,
+                    spec.shape
+                ),
+            )));
         }
         tensors.insert(spec.name, HostTensor::new(dense.shape, dense.values));
     }
@@ -37,9 +50,16 @@ pub fn checkpoint_layer(checkpoint: &Checkpoint, config: &SalaConfig, layer: usi
 }
 
 /// Final norm and output projection of `checkpoint` (the embedding when tied).
-pub fn checkpoint_head(checkpoint: &Checkpoint, config: &SalaConfig) -> Result<HeadWeights, PipelineError> {
+pub fn checkpoint_head(
+    checkpoint: &Checkpoint,
+    config: &SalaConfig,
+) -> Result<HeadWeights, PipelineError> {
     let dense = |d: sala_export::DenseTensor| HostTensor::new(d.shape, d.values);
-    let lm_head = if config.tie_word_embeddings() { sala_model::EMBED_TOKENS } else { LM_HEAD };
+    let lm_head = if config.tie_word_embeddings() {
+        sala_model::EMBED_TOKENS
+    } else {
+        LM_HEAD
+    };
     Ok(HeadWeights {
         final_norm: dense(checkpoint.tensor_f32(FINAL_NORM)?),
         lm_head: dense(checkpoint.linear_weight(lm_head.trim_end_matches(".weight"))?),

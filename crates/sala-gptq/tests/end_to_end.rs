@@ -6,7 +6,9 @@ use sala_gptq::calib::{CalibOptions, CalibSet, CalibTokenizer};
 use sala_gptq::evaluate::checkpoint_logits;
 use sala_gptq::export::Checkpoint;
 use sala_gptq::model::{LayerRunner, TensorStore};
-use sala_gptq::{CpuBackend, NoProgress, Nvfp4Coverage, Pipeline, QuantizeOptions, Recipe, Report, Sample};
+use sala_gptq::{
+    CpuBackend, NoProgress, Nvfp4Coverage, Pipeline, QuantizeOptions, Recipe, Report, Sample,
+};
 use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {
@@ -33,7 +35,9 @@ fn samples(model: &Path) -> Vec<Sample> {
 
 fn quantize(model: &Path, options: QuantizeOptions, out: &Path) -> Report {
     let pipeline = Pipeline::<CpuBackend>::new(Default::default(), options);
-    pipeline.run(model, out, &samples(model), &mut NoProgress).unwrap()
+    pipeline
+        .run(model, out, &samples(model), &mut NoProgress)
+        .unwrap()
 }
 
 /// Relative L2 distance between the logits of the original and the quantized model on text the
@@ -44,7 +48,12 @@ fn logits_relative_error(model: &Path, quantized: &Path, options: &QuantizeOptio
     let runner = LayerRunner::<CpuBackend>::new(config, Default::default(), options.run);
     let tokenizer = CalibTokenizer::from_model_dir(model).unwrap();
     let text = std::fs::read_to_string(fixtures().join("text/heldout.txt")).unwrap();
-    let ids: Vec<u32> = tokenizer.tokenizer().encode(&text[..600], true).unwrap().get_ids().to_vec();
+    let ids: Vec<u32> = tokenizer
+        .tokenizer()
+        .encode(&text[..600], true)
+        .unwrap()
+        .get_ids()
+        .to_vec();
     let original = runner.forward_logits(&store, &ids).unwrap();
     let ckpt = Checkpoint::open(quantized).unwrap();
     let quant = checkpoint_logits(&runner, &ckpt, &ids).unwrap();
@@ -61,11 +70,19 @@ fn gptq_on_tiny_sala_beats_rtn_verifies_and_stays_close() {
     let report = quantize(&model, options.clone(), &out);
     // Every decoder linear of the 8 layers is INT4; the verifier passed inside the run.
     assert_eq!(report.linears.len(), 64);
-    assert!(report.verify_summary.starts_with("verified ok"), "{}", report.verify_summary);
+    assert!(
+        report.verify_summary.starts_with("verified ok"),
+        "{}",
+        report.verify_summary
+    );
     // GPTQ's proxy output error is below RTN's, in total and for every linear.
     assert!(report.total_output_error() < report.total_baseline_error());
     for l in &report.linears {
-        assert!(l.output_error.unwrap() <= l.baseline_output_error.unwrap() * 1.0001, "{}", l.name);
+        assert!(
+            l.output_error.unwrap() <= l.baseline_output_error.unwrap() * 1.0001,
+            "{}",
+            l.name
+        );
     }
     // Reads back and runs. On this random-weight fixture INT4 g128 (2 groups per row) moves the
     // logits by 0.40 relative (measured); the bound catches a broken read-back (≈ 1).
@@ -73,7 +90,9 @@ fn gptq_on_tiny_sala_beats_rtn_verifies_and_stays_close() {
     assert!(rel < 0.5, "relative logits error {rel}");
     // Writing the same output again is refused.
     let pipeline = Pipeline::<CpuBackend>::new(Default::default(), options);
-    assert!(pipeline.run(&model, &out, &samples(&model), &mut NoProgress).is_err());
+    assert!(pipeline
+        .run(&model, &out, &samples(&model), &mut NoProgress)
+        .is_err());
 }
 
 #[test]
@@ -99,7 +118,11 @@ fn nvfp4_on_tiny_sala_search_is_never_worse_than_max_calibration() {
     assert_eq!(report.linears.len(), 64);
     for l in &report.linears {
         // The search's first candidate is the max-calibrated scale, so per block it can only win.
-        assert!(l.output_error.unwrap() <= l.baseline_output_error.unwrap(), "{}", l.name);
+        assert!(
+            l.output_error.unwrap() <= l.baseline_output_error.unwrap(),
+            "{}",
+            l.name
+        );
     }
     assert!(report.total_output_error() < report.total_baseline_error());
     // 0.26 measured on the random-weight fixture.
@@ -116,7 +139,10 @@ fn both_recipes_run_on_tiny_llama() {
         let out = dir.path().join(format!("{recipe:?}"));
         let report = quantize(&model, options.clone(), &out);
         assert!(report.verify_summary.starts_with("verified ok"));
-        assert!(report.total_output_error() < report.total_baseline_error(), "{recipe:?}");
+        assert!(
+            report.total_output_error() < report.total_baseline_error(),
+            "{recipe:?}"
+        );
         // Measured on the random-weight tiny Llama: GPTQ 0.56, NVFP4 0.38; < 0.8 still rules out
         // a broken read-back (≈ 1 or more).
         let rel = logits_relative_error(&model, &out, &options);
