@@ -1,1 +1,42 @@
-//! sala-hessian: see the crate description; under construction.
+//! # sala-hessian
+//!
+//! The calibration mathematics of both SALA recipes, on the CPU (faer + rayon):
+//!
+//! - [`hessian`]: `H = Σ XᵀX` streamed from activation batches (per-sample or per-token
+//!   normalization, mergeable partials) and the per-channel statistics `E[x²]`, `E[|x|]`,
+//!   `max|x|`;
+//! - [`inverse`]: the damped Cholesky inverse with retries, as the upper factor GPTQ needs;
+//! - [`gptq`]: the GPTQ solver (lazy blocks, groups, act-order, static groups);
+//! - [`rtn`]: round-to-nearest with the same outputs (baseline and fallback);
+//! - [`block_search`]: the NVFP4 E4M3 block-scale search weighted by the diagonal Hessian;
+//! - [`reference`]: textbook versions that the optimised paths (and GPU kernels) are tested
+//!   against.
+//!
+//! Weights are row-major `[out_features, in_features]` f32 slices with explicit shapes;
+//! Hessians are `[in, in]` in f32 or f64 ([`HessianScalar`]). Every bad input is a
+//! [`HessianError`].
+
+pub mod block_search;
+mod error;
+pub mod gptq;
+pub mod hessian;
+pub mod inverse;
+mod quantized;
+pub mod reference;
+pub mod rtn;
+mod scalar;
+
+pub use block_search::{Nvfp4BlockSearch, Nvfp4SearchResult};
+pub use error::HessianError;
+/// The faer version this crate's matrices ([`Hessian::as_mat`], [`CholeskyInverse::upper`])
+/// come from.
+pub use faer;
+pub use gptq::{FailurePolicy, Gptq, GptqConfig};
+pub use hessian::{
+    ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
+};
+pub use inverse::{CholeskyInverse, Damping};
+pub use quantized::{IntGrid, Method, QuantizedLinear};
+pub use rtn::Rtn;
+pub use sala_formats::{IntScheme, QuantParams};
+pub use scalar::{Activation, HessianScalar};

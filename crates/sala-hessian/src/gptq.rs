@@ -1,0 +1,498 @@
+//! The GPTQ solver for one linear `W [out, in]` given its Hessian (IST-DASLab's algorithm:
+//! lazy blocks, group parameters at group start, act-order, static groups).
+//!
+//! Every output row is independent in GPTQ (each row only meets the shared factor `U`), so
+//! the in-block column loop runs in parallel over rows, and the lazy update of the trailing
+//! columns, `W[:, end:] -= Err · U[blk, end:]`, is one faer GEMM per block.
+
+use faer::linalg::matmul::matmul;
+use std::ops::Range;
+
+use faer::{Accum, MatMut, MatRef, Par};
+use rayon::prelude::*;
+use sala_formats::{IntQuantizer, QuantParams};
+
+use crate::error::HessianError;
+use crate::hessian::Hessian;
+use crate::inverse::{dead_columns, CholeskyInverse, Damping};
+use crate::quantized::{check_weights, dequantize, proxy_error, IntGrid, Method, QuantizedLinear};
+use crate::reference;
+use crate::rtn::Rtn;
+use crate::scalar::HessianScalar;
+
+/// What to do when no damping of the schedule makes the Hessian factorable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// Return [`HessianError::NotPositiveDefinite`].
+    #[default]
+    Error,
+    /// Quantize with round-to-nearest instead (llm-compressor's behaviour); the result says
+    /// [`Method::RtnFallback`].
+    Rtn,
+}
+
+/// GPTQ options. Defaults: 4-bit symmetric (IST grid), groups of 128, lazy blocks of 128,
+/// no act-order, damping 0.01, errors on failure, proxy error computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptqConfig {
+    /// Bits, scheme, group size.
+    pub grid: IntGrid,
+    /// Columns per lazy block (default 128); 1 disables lazy batching. Blocks are shortened
+    /// when needed so that every group starts at a block start or lies inside one block.
+    pub block_size: usize,
+    /// Process columns by decreasing `diag(H)` (desc_act).
+    pub act_order: bool,
+    /// With groups: compute every group's parameters up front from the original weight, so
+    /// that act-order keeps a monotone `g_idx`.
+    pub static_groups: bool,
+    /// Damping and retries of the Cholesky inverse.
+    pub damping: Damping,
+    /// What to do when the inverse fails.
+    pub on_failure: FailurePolicy,
+    /// Compute `tr((W − Q) H (W − Q)ᵀ)` (an extra `out·in²` flops).
+    pub proxy_error: bool,
+}
+
+impl Default for GptqConfig {
+    fn default() -> Self {
+        Self {
+            grid: IntGrid::default(),
+            block_size: 128,
+            act_order: false,
+            static_groups: false,
+            damping: Damping::default(),
+            on_failure: FailurePolicy::Error,
+            proxy_error: true,
+        }
+    }
+}
+
+/// A validated GPTQ solver.
+#[derive(Debug, Clone)]
+pub struct Gptq {
+    config: GptqConfig,
+    quantizer: IntQuantizer,
+}
+
+/// Which column loop runs: the production blocked one or the textbook reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ColumnLoop {
+    Blocked,
+    Sequential,
+}
+
+/// The column loop's input, in loop (permuted) order.
+pub(crate) struct ColumnProblem<'a> {
+    pub quantizer: IntQuantizer,
+    pub out: usize,
+    pub inp: usize,
+    pub group_size: usize,
+    /// `U`, the upper Cholesky factor of the damped inverse Hessian, `[inp, inp]`.
+    pub upper: MatRef<'a, f32>,
+    /// Static groups: parameters `[out, groups]` and the group of each loop position.
+    pub static_groups: Option<(&'a [QuantParams], &'a [usize])>,
+}
+
+impl ColumnProblem<'_> {
+    pub fn groups(&self) -> usize {
+        self.inp.div_ceil(self.group_size)
+    }
+}
+
+/// The column loop's output, in loop order.
+pub(crate) struct ColumnSolution {
+    /// `[out, inp]`.
+    pub codes: Vec<u8>,
+    /// Dynamic group parameters `[out, groups]` (unused with static groups).
+    pub params_rows: Vec<QuantParams>,
+    /// `[inp]`.
+    pub column_loss: Vec<f64>,
+}
+
+impl ColumnSolution {
+    pub fn new(problem: &ColumnProblem<'_>) -> Self {
+        let placeholder = QuantParams {
+            scale: 1.0,
+            zero: 0,
+        };
+        Self {
+            codes: vec![0; problem.out * problem.inp],
+            params_rows: vec![placeholder; problem.out * problem.groups()],
+            column_loss: vec![0.0; problem.inp],
+        }
+    }
+}
+
+/// One column of one row: parameters at a group start, code, error `e = (w − q)/d` and loss
+/// `(w − q)²/(2d²)`. `w_row` holds the row's error-updated weights (at least up to the end of
+/// the current group).
+#[inline]
+pub(crate) fn quantize_column(
+    problem: &ColumnProblem<'_>,
+    r: usize,
+    c: usize,
+    w_row: &[f32],
+    params_row: &mut [QuantParams],
+) -> (u8, f32, f64) {
+    let gs = problem.group_size;
+    let p = match problem.static_groups {
+        Some((params, group_of)) => params[r * problem.groups() + group_of[c]],
+        None => {
+            if c % gs == 0 {
+                let end = (c + gs).min(problem.inp);
+                params_row[c / gs] = problem.quantizer.params_for(&w_row[c..end]);
+            }
+            params_row[c / gs]
+        }
+    };
+    let w = w_row[c];
+    let code = problem.quantizer.quantize(w, p);
+    let q = IntQuantizer::dequantize(code, p);
+    let d = problem.upper[(c, c)];
+    let diff = (w - q) as f64;
+    let loss = diff * diff / (2.0 * d as f64 * d as f64);
+    (code, (w - q) / d, loss)
+}
+
+/// Inner blocks per outer block. Inner blocks update the columns up to the end of their outer
+/// block; the columns after it get one GEMM of depth `OUTER_BLOCKS · block`, which moves
+/// `OUTER_BLOCKS` times less memory per flop than one update per inner block.
+const OUTER_BLOCKS: usize = 8;
+
+/// The lazy-block loop. `w` is `[out, inp]` in loop order and is overwritten.
+fn blocked_loop(
+    problem: &ColumnProblem<'_>,
+    w: &mut [f32],
+    block: usize,
+    outer: usize,
+) -> ColumnSolution {
+    let (out, inp) = (problem.out, problem.inp);
+    let mut sol = ColumnSolution::new(problem);
+    let mut o1 = 0;
+    while o1 < inp {
+        let o2 = (o1 + outer).min(inp);
+        let mut err = ErrorBlock {
+            values: vec![0.0f32; out * (o2 - o1)],
+            first_col: o1,
+            cols: o2 - o1,
+        };
+        let mut i1 = o1;
+        while i1 < o2 {
+            let i2 = (i1 + block).min(o2);
+            solve_block(problem, w, &mut sol, &mut err, i1..i2);
+            subtract_update(problem, w, &err, i1..i2, i2..o2);
+            i1 = i2;
+        }
+        subtract_update(problem, w, &err, o1..o2, o2..inp);
+        o1 = o2;
+    }
+    sol
+}
+
+/// The scaled errors `e = (w − q)/d` of an outer block's columns, `[out, cols]`.
+struct ErrorBlock {
+    values: Vec<f32>,
+    first_col: usize,
+    cols: usize,
+}
+
+/// Quantizes the columns `span` of every row (in parallel over rows), applying each column's
+/// error to the later columns of the span at once.
+fn solve_block(
+    problem: &ColumnProblem<'_>,
+    w: &mut [f32],
+    sol: &mut ColumnSolution,
+    err: &mut ErrorBlock,
+    span: Range<usize>,
+) {
+    let (i1, i2, bsz) = (span.start, span.end, span.len());
+    let (inp, groups) = (problem.inp, problem.groups());
+    let u_block: Vec<f32> = (0..bsz * bsz)
+        .map(|k| problem.upper[(i1 + k / bsz, i1 + k % bsz)])
+        .collect();
+    let e_offset = i1 - err.first_col;
+    let mut loss = vec![0.0f64; problem.out * bsz];
+    (
+        w.par_chunks_mut(inp),
+        sol.codes.par_chunks_mut(inp),
+        sol.params_rows.par_chunks_mut(groups),
+        err.values.par_chunks_mut(err.cols),
+        loss.par_chunks_mut(bsz),
+    )
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(r, (w_row, code_row, params_row, e_row, l_row))| {
+            for i in 0..bsz {
+                let c = i1 + i;
+                let (code, e, l) = quantize_column(problem, r, c, w_row, params_row);
+                code_row[c] = code;
+                e_row[e_offset + i] = e;
+                l_row[i] = l;
+                let u_row = &u_block[i * bsz..(i + 1) * bsz];
+                for (wj, &uj) in w_row[c + 1..i2].iter_mut().zip(&u_row[i + 1..]) {
+                    *wj -= e * uj;
+                }
+            }
+        });
+    for l_row in loss.chunks_exact(bsz) {
+        for (acc, &l) in sol.column_loss[i1..i2].iter_mut().zip(l_row) {
+            *acc += l;
+        }
+    }
+}
+
+/// `W[:, cols] -= Err[:, rows] · U[rows, cols]`: one faer GEMM.
+fn subtract_update(
+    problem: &ColumnProblem<'_>,
+    w: &mut [f32],
+    err: &ErrorBlock,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) {
+    if cols.is_empty() {
+        return;
+    }
+    let (out, inp) = (problem.out, problem.inp);
+    // Row-major view of W[:, cols] (built as the transpose of a column-major view:
+    // faer 0.24.4's `from_row_major_slice_with_stride_mut` swaps the two strides).
+    let dst =
+        MatMut::from_column_major_slice_with_stride_mut(&mut w[cols.start..], cols.len(), out, inp)
+            .transpose_mut();
+    let lhs = MatRef::from_row_major_slice_with_stride(
+        &err.values[rows.start - err.first_col..],
+        out,
+        rows.len(),
+        err.cols,
+    );
+    let rhs = problem
+        .upper
+        .submatrix(rows.start, cols.start, rows.len(), cols.len());
+    matmul(dst, Accum::Add, lhs, rhs, -1.0f32, Par::rayon(0));
+}
+
+/// The block length actually used: shortened so that a group never starts inside a block and
+/// ends beyond it (there its parameters would miss the block's pending updates).
+fn effective_block(block: usize, group_size: usize, inp: usize, static_groups: bool) -> usize {
+    if static_groups || group_size >= inp || block % group_size == 0 {
+        block
+    } else if group_size < block {
+        block - block % group_size
+    } else {
+        gcd(block, group_size)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+impl Gptq {
+    /// Validates the options.
+    pub fn new(config: GptqConfig) -> Result<Self, HessianError> {
+        let quantizer = config.grid.quantizer()?;
+        if config.grid.group_size == Some(0) {
+            return Err(sala_formats::FormatError::ZeroGroupSize.into());
+        }
+        if config.block_size == 0 {
+            return Err(HessianError::InvalidOption {
+                name: "block_size",
+                value: "0".into(),
+                rule: "must be positive",
+            });
+        }
+        config.damping.validate()?;
+        Ok(Self { config, quantizer })
+    }
+
+    /// The options.
+    pub fn config(&self) -> &GptqConfig {
+        &self.config
+    }
+
+    /// Quantizes the row-major `W [out, inp]` (f32) with the Hessian `h` `[inp, inp]`.
+    ///
+    /// Follows IST-DASLab's `fasterquant` (dead columns zeroed, damping, act-order
+    /// permutation by `diag(H)` descending with ties in column order, static groups from the
+    /// original weight). Dynamic group parameters are computed at each group start from the
+    /// fully error-updated weights: identical to IST whenever the group size divides the block
+    /// size (the production 128/128 case) and to the textbook sequential algorithm always.
+    ///
+    /// Errors: shapes, non-finite `W` or `H`, and [`HessianError::NotPositiveDefinite`] unless
+    /// the policy is [`FailurePolicy::Rtn`].
+    pub fn solve<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Hessian<T>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        self.solve_with(weights, out, inp, h, ColumnLoop::Blocked)
+    }
+
+    pub(crate) fn solve_with<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Hessian<T>,
+        kind: ColumnLoop,
+    ) -> Result<QuantizedLinear, HessianError> {
+        check_weights(weights, out, inp, Some(h.dim()))?;
+        h.check_finite()?;
+        let cfg = &self.config;
+        let gs = cfg.grid.effective_group_size(inp)?;
+        let dead = dead_columns(h);
+        let perm = column_order(h, &dead, cfg.act_order);
+        let inverse = match CholeskyInverse::with_order(h, &perm, &cfg.damping) {
+            Ok(inv) => inv,
+            Err(HessianError::NotPositiveDefinite { .. })
+                if cfg.on_failure == FailurePolicy::Rtn =>
+            {
+                return self.rtn_fallback(weights, out, inp, h);
+            }
+            Err(e) => return Err(e),
+        };
+        let mut w0 = weights.to_vec();
+        for row in w0.chunks_exact_mut(inp) {
+            for (v, _) in row.iter_mut().zip(&dead).filter(|(_, &d)| d) {
+                *v = 0.0;
+            }
+        }
+        let use_static = cfg.static_groups && cfg.grid.group_size.is_some();
+        let static_params =
+            use_static.then(|| static_group_params(&self.quantizer, &w0, out, inp, gs));
+        let static_group_of: Vec<usize> = perm.iter().map(|&j| j / gs).collect();
+        let problem = ColumnProblem {
+            quantizer: self.quantizer,
+            out,
+            inp,
+            group_size: gs,
+            upper: inverse.upper(),
+            static_groups: static_params
+                .as_deref()
+                .map(|p| (p, static_group_of.as_slice())),
+        };
+        let mut w_loop = permute_columns(&w0, inp, &perm);
+        let sol = match kind {
+            ColumnLoop::Blocked => {
+                let block = effective_block(cfg.block_size, gs, inp, use_static);
+                // A group that starts in one outer block and ends in the next would miss the
+                // first block's pending updates: only blocks contain whole groups then.
+                let whole_groups_in_blocks = use_static || gs >= inp || gs <= block;
+                // `block_size = 1` means no lazy batching at all (the textbook order).
+                let outer = if whole_groups_in_blocks && block > 1 {
+                    block * OUTER_BLOCKS
+                } else {
+                    block
+                };
+                blocked_loop(&problem, &mut w_loop, block, outer)
+            }
+            ColumnLoop::Sequential => reference::sequential_loop(&problem, &mut w_loop),
+        };
+        let groups = problem.groups();
+        let (params, g_idx) = match &static_params {
+            Some(p) => (
+                transpose(p, out, groups),
+                (0..inp).map(|j| (j / gs) as i32).collect(),
+            ),
+            None => {
+                let mut g_idx = vec![0i32; inp];
+                for (c, &j) in perm.iter().enumerate() {
+                    g_idx[j] = (c / gs) as i32;
+                }
+                (transpose(&sol.params_rows, out, groups), g_idx)
+            }
+        };
+        let mut codes = vec![0u8; out * inp];
+        let mut column_loss = vec![0.0f64; inp];
+        for (c, &j) in perm.iter().enumerate() {
+            column_loss[j] = sol.column_loss[c];
+            for r in 0..out {
+                codes[r * inp + j] = sol.codes[r * inp + c];
+            }
+        }
+        let dequantized = dequantize(&codes, &params, &g_idx, out);
+        let proxy = cfg
+            .proxy_error
+            .then(|| proxy_error(weights, &dequantized, inp, h));
+        Ok(QuantizedLinear {
+            out_features: out,
+            in_features: inp,
+            grid: cfg.grid,
+            group_size: gs,
+            codes,
+            params,
+            g_idx,
+            dequantized,
+            loss: column_loss.iter().sum(),
+            column_loss,
+            proxy_error: proxy,
+            method: Method::Gptq,
+            damping_retries: inverse.retries(),
+            percdamp: inverse.percdamp(),
+        })
+    }
+
+    fn rtn_fallback<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Hessian<T>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        let rtn = Rtn::new(self.config.grid)?;
+        let hessian = self.config.proxy_error.then_some(h);
+        let mut result = rtn.quantize(weights, out, inp, hessian)?;
+        result.method = Method::RtnFallback;
+        result.damping_retries = self.config.damping.max_retries;
+        Ok(result)
+    }
+}
+
+/// The loop order: identity, or by decreasing `diag(H)` (dead columns counted as 1), stable.
+fn column_order<T: HessianScalar>(h: &Hessian<T>, dead: &[bool], act_order: bool) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..h.dim()).collect();
+    if act_order {
+        let diag: Vec<f64> = (0..h.dim())
+            .map(|i| if dead[i] { 1.0 } else { h.get(i, i).into() })
+            .collect();
+        order.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
+    }
+    order
+}
+
+/// `Wp[:, c] = W[:, order[c]]`.
+fn permute_columns(w: &[f32], inp: usize, order: &[usize]) -> Vec<f32> {
+    w.chunks_exact(inp)
+        .flat_map(|row| order.iter().map(move |&j| row[j]))
+        .collect()
+}
+
+/// Parameters of every group from the (dead-zeroed, un-permuted) weight, `[out, groups]`.
+fn static_group_params(
+    quantizer: &IntQuantizer,
+    w: &[f32],
+    out: usize,
+    inp: usize,
+    gs: usize,
+) -> Vec<QuantParams> {
+    let groups = inp.div_ceil(gs);
+    (0..out * groups)
+        .map(|k| {
+            let (r, g) = (k / groups, k % groups);
+            let row = &w[r * inp..(r + 1) * inp];
+            quantizer.params_for(&row[g * gs..((g + 1) * gs).min(inp)])
+        })
+        .collect()
+}
+
+/// `[rows, cols]` → `[cols, rows]`.
+pub(crate) fn transpose<X: Copy>(m: &[X], rows: usize, cols: usize) -> Vec<X> {
+    (0..rows * cols)
+        .map(|k| m[(k % rows) * cols + k / rows])
+        .collect()
+}

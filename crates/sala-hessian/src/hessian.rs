@@ -1,0 +1,443 @@
+//! The Hessian `H = Σ XᵀX` of a linear layer's inputs: its owned type, the streaming
+//! accumulator (a blocked, parallel rank-k update on faer) and the diagonal-only statistics
+//! of the NVFP4 recipe.
+
+use faer::linalg::matmul::triangular::{matmul, BlockStructure};
+use faer::{Accum, Mat, MatRef, Par};
+use rayon::prelude::*;
+
+use crate::error::{check_matrix, HessianError};
+use crate::scalar::{Activation, HessianScalar};
+
+/// Tokens converted and multiplied per GEMM call: large enough for the GEMM to run at full
+/// speed, small enough that the converted copy of the batch stays a few MiB.
+const TOKENS_PER_CHUNK: usize = 512;
+
+/// How the accumulated sums are normalized when the Hessian is finalized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Normalization {
+    /// Each sample's `XᵀX` is divided by its token count, and the sum by the number of
+    /// samples: every calibration sample weighs the same whatever its length (the original
+    /// SALA scripts' convention).
+    #[default]
+    PerSample,
+    /// The plain sum divided by the total token count (GPTQModel's convention): long samples
+    /// weigh more.
+    PerToken,
+}
+
+/// A symmetric `[dim, dim]` Hessian in `f32` or `f64`.
+///
+/// Only the lower triangle (with the diagonal) is read by the factorization and the proxy
+/// error; the accumulator fills both triangles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hessian<T: HessianScalar> {
+    matrix: Mat<T>,
+}
+
+impl<T: HessianScalar> Hessian<T> {
+    /// Wraps a row-major `[dim, dim]` buffer (no symmetry check; non-finite values are
+    /// reported when the Hessian is used).
+    pub fn from_row_major(dim: usize, values: &[T]) -> Result<Self, HessianError> {
+        check_matrix("hessian", values.len(), dim, dim)?;
+        let view = MatRef::from_row_major_slice(values, dim, dim);
+        Ok(Self {
+            matrix: view.to_owned(),
+        })
+    }
+
+    /// Wraps a faer matrix, which must be square and non-empty.
+    pub fn from_mat(matrix: Mat<T>) -> Result<Self, HessianError> {
+        if matrix.nrows() != matrix.ncols() {
+            return Err(HessianError::DimensionMismatch {
+                what: "hessian rows vs columns",
+                left: matrix.nrows(),
+                right: matrix.ncols(),
+            });
+        }
+        if matrix.nrows() == 0 {
+            return Err(HessianError::Empty { what: "hessian" });
+        }
+        Ok(Self { matrix })
+    }
+
+    /// The identity Hessian (GPTQ then reduces to round-to-nearest).
+    pub fn identity(dim: usize) -> Self {
+        Self {
+            matrix: Mat::identity(dim, dim),
+        }
+    }
+
+    /// The number of input channels.
+    pub fn dim(&self) -> usize {
+        self.matrix.nrows()
+    }
+
+    /// Element `(row, col)`.
+    pub fn get(&self, row: usize, col: usize) -> T {
+        self.matrix[(row, col)]
+    }
+
+    /// The diagonal, `E[x²]` per input channel under the accumulator's normalization.
+    pub fn diagonal(&self) -> Vec<T> {
+        (0..self.dim()).map(|i| self.matrix[(i, i)]).collect()
+    }
+
+    /// A faer view of the matrix.
+    pub fn as_mat(&self) -> MatRef<'_, T> {
+        self.matrix.as_ref()
+    }
+
+    /// The matrix as a row-major `[dim, dim]` vector.
+    pub fn to_row_major(&self) -> Vec<T> {
+        let n = self.dim();
+        (0..n * n).map(|i| self.matrix[(i / n, i % n)]).collect()
+    }
+
+    /// The first non-finite element of the lower triangle, as an error.
+    pub(crate) fn check_finite(&self) -> Result<(), HessianError> {
+        let n = self.dim();
+        for col in 0..n {
+            for row in col..n {
+                let v: f64 = self.matrix[(row, col)].into();
+                if !v.is_finite() {
+                    return Err(HessianError::NonFinite {
+                        what: "hessian",
+                        row,
+                        col,
+                        value: v,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Streams activation batches `[tokens, dim]` into `Σ XᵀX` (one batch = one calibration
+/// sample) and finalizes them into a [`Hessian`].
+///
+/// The product is a faer rank-k update of the lower triangle only (half the flops of a full
+/// GEMM), computed in `T`, run on the rayon pool. Partial accumulators built on different
+/// threads or devices combine with [`merge`](Self::merge).
+#[derive(Debug, Clone)]
+pub struct HessianAccumulator<T: HessianScalar> {
+    sum: Mat<T>,
+    normalization: Normalization,
+    samples: u64,
+    tokens: u64,
+    par: Par,
+}
+
+impl<T: HessianScalar> HessianAccumulator<T> {
+    /// An empty accumulator for `dim` input channels.
+    pub fn new(dim: usize, normalization: Normalization) -> Result<Self, HessianError> {
+        if dim == 0 {
+            return Err(HessianError::Empty { what: "hessian" });
+        }
+        Ok(Self {
+            sum: Mat::zeros(dim, dim),
+            normalization,
+            samples: 0,
+            tokens: 0,
+            par: Par::rayon(0),
+        })
+    }
+
+    /// Sets the parallelism of the GEMM (default: every thread of the rayon pool).
+    pub fn with_parallelism(mut self, par: Par) -> Self {
+        self.par = par;
+        self
+    }
+
+    /// Input channels.
+    pub fn dim(&self) -> usize {
+        self.sum.nrows()
+    }
+
+    /// Samples added so far (merged accumulators included).
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Tokens added so far.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The normalization chosen at construction.
+    pub fn normalization(&self) -> Normalization {
+        self.normalization
+    }
+
+    /// Adds one calibration sample: a row-major `[tokens, dim]` activation batch.
+    ///
+    /// Non-finite activations are an error naming the token and channel; nothing is added
+    /// then.
+    pub fn add_sample<A: Activation>(
+        &mut self,
+        activations: &[A],
+        tokens: usize,
+    ) -> Result<(), HessianError> {
+        let dim = self.dim();
+        check_matrix("activations", activations.len(), tokens, dim)?;
+        check_activations_finite(activations, dim)?;
+        let alpha = match self.normalization {
+            Normalization::PerSample => T::from_f64(1.0 / tokens as f64),
+            Normalization::PerToken => T::from_f64(1.0),
+        };
+        let mut chunk = vec![T::from_f64(0.0); TOKENS_PER_CHUNK.min(tokens) * dim];
+        for rows in activations.chunks(TOKENS_PER_CHUNK * dim) {
+            let n = rows.len() / dim;
+            let buf = &mut chunk[..rows.len()];
+            for (dst, &src) in buf.iter_mut().zip(rows) {
+                *dst = T::from_f32(src.to_f32());
+            }
+            let x = MatRef::from_row_major_slice(buf, n, dim);
+            matmul(
+                self.sum.as_mut(),
+                BlockStructure::TriangularLower,
+                Accum::Add,
+                x.transpose(),
+                BlockStructure::Rectangular,
+                x,
+                BlockStructure::Rectangular,
+                alpha,
+                self.par,
+            );
+        }
+        self.samples += 1;
+        self.tokens += tokens as u64;
+        Ok(())
+    }
+
+    /// Adds another accumulator's sums (same dimension and normalization).
+    pub fn merge(&mut self, other: &Self) -> Result<(), HessianError> {
+        check_same_setup(
+            (self.dim(), self.normalization),
+            (other.dim(), other.normalization),
+        )?;
+        let n = self.dim();
+        for col in 0..n {
+            for row in col..n {
+                self.sum[(row, col)] += other.sum[(row, col)];
+            }
+        }
+        self.samples += other.samples;
+        self.tokens += other.tokens;
+        Ok(())
+    }
+
+    /// The normalized, symmetric Hessian. An accumulator that saw no sample is an error.
+    pub fn finalize(&self) -> Result<Hessian<T>, HessianError> {
+        let divisor = normalization_divisor(self.normalization, self.samples, self.tokens)?;
+        let scale = T::from_f64(1.0 / divisor);
+        let n = self.dim();
+        let mut matrix = Mat::zeros(n, n);
+        for col in 0..n {
+            for row in col..n {
+                let v = self.sum[(row, col)] * scale;
+                matrix[(row, col)] = v;
+                matrix[(col, row)] = v;
+            }
+        }
+        Ok(Hessian { matrix })
+    }
+}
+
+/// Per-input-channel statistics of the activations (the diagonal-only variant of the
+/// Hessian, plus what SmoothQuant / AWQ need).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChannelStats {
+    /// `E[x²]` per channel, normalized like the full Hessian (equals its diagonal), `[dim]`.
+    pub mean_square: Vec<f64>,
+    /// `E[|x|]` per channel under the same normalization, `[dim]`.
+    pub mean_abs: Vec<f64>,
+    /// `max |x|` per channel over every token seen, `[dim]`.
+    pub abs_max: Vec<f32>,
+    /// Samples seen.
+    pub samples: u64,
+    /// Tokens seen.
+    pub tokens: u64,
+}
+
+/// Streams activation batches into per-channel `Σx²`, `Σ|x|` and `max|x|`
+/// (the diagonal Hessian `E[x²]` and the activation amax of the NVFP4 recipe).
+///
+/// Sums are kept in f64; batches are split over the rayon pool by tokens.
+#[derive(Debug, Clone)]
+pub struct ChannelStatsAccumulator {
+    sum_square: Vec<f64>,
+    sum_abs: Vec<f64>,
+    abs_max: Vec<f32>,
+    normalization: Normalization,
+    samples: u64,
+    tokens: u64,
+}
+
+/// Raw per-channel sums of one batch (or part of one).
+#[derive(Clone)]
+struct ChannelSums {
+    square: Vec<f64>,
+    abs: Vec<f64>,
+    max: Vec<f32>,
+}
+
+impl ChannelSums {
+    fn zeros(dim: usize) -> Self {
+        Self {
+            square: vec![0.0; dim],
+            abs: vec![0.0; dim],
+            max: vec![0.0; dim],
+        }
+    }
+
+    fn add_rows<A: Activation>(mut self, rows: &[A]) -> Self {
+        let dim = self.square.len();
+        for row in rows.chunks_exact(dim) {
+            for (j, &a) in row.iter().enumerate() {
+                let ax = a.to_f32().abs();
+                let x = ax as f64;
+                self.square[j] += x * x;
+                self.abs[j] += x;
+                self.max[j] = self.max[j].max(ax);
+            }
+        }
+        self
+    }
+
+    fn combine(mut self, other: Self) -> Self {
+        for j in 0..self.square.len() {
+            self.square[j] += other.square[j];
+            self.abs[j] += other.abs[j];
+            self.max[j] = self.max[j].max(other.max[j]);
+        }
+        self
+    }
+}
+
+impl ChannelStatsAccumulator {
+    /// An empty accumulator for `dim` channels.
+    pub fn new(dim: usize, normalization: Normalization) -> Result<Self, HessianError> {
+        if dim == 0 {
+            return Err(HessianError::Empty {
+                what: "channel statistics",
+            });
+        }
+        Ok(Self {
+            sum_square: vec![0.0; dim],
+            sum_abs: vec![0.0; dim],
+            abs_max: vec![0.0; dim],
+            normalization,
+            samples: 0,
+            tokens: 0,
+        })
+    }
+
+    /// Channels.
+    pub fn dim(&self) -> usize {
+        self.sum_square.len()
+    }
+
+    /// Adds one calibration sample, a row-major `[tokens, dim]` batch.
+    pub fn add_sample<A: Activation>(
+        &mut self,
+        activations: &[A],
+        tokens: usize,
+    ) -> Result<(), HessianError> {
+        let dim = self.dim();
+        check_matrix("activations", activations.len(), tokens, dim)?;
+        check_activations_finite(activations, dim)?;
+        let sums = activations
+            .par_chunks(TOKENS_PER_CHUNK * dim)
+            .fold(|| ChannelSums::zeros(dim), ChannelSums::add_rows)
+            .reduce(|| ChannelSums::zeros(dim), ChannelSums::combine);
+        let weight = match self.normalization {
+            Normalization::PerSample => 1.0 / tokens as f64,
+            Normalization::PerToken => 1.0,
+        };
+        for j in 0..dim {
+            self.sum_square[j] += sums.square[j] * weight;
+            self.sum_abs[j] += sums.abs[j] * weight;
+            self.abs_max[j] = self.abs_max[j].max(sums.max[j]);
+        }
+        self.samples += 1;
+        self.tokens += tokens as u64;
+        Ok(())
+    }
+
+    /// Adds another accumulator's sums (same dimension and normalization).
+    pub fn merge(&mut self, other: &Self) -> Result<(), HessianError> {
+        check_same_setup(
+            (self.dim(), self.normalization),
+            (other.dim(), other.normalization),
+        )?;
+        for j in 0..self.dim() {
+            self.sum_square[j] += other.sum_square[j];
+            self.sum_abs[j] += other.sum_abs[j];
+            self.abs_max[j] = self.abs_max[j].max(other.abs_max[j]);
+        }
+        self.samples += other.samples;
+        self.tokens += other.tokens;
+        Ok(())
+    }
+
+    /// The normalized statistics. An accumulator that saw no sample is an error.
+    pub fn finalize(&self) -> Result<ChannelStats, HessianError> {
+        let divisor = normalization_divisor(self.normalization, self.samples, self.tokens)?;
+        Ok(ChannelStats {
+            mean_square: self.sum_square.iter().map(|s| s / divisor).collect(),
+            mean_abs: self.sum_abs.iter().map(|s| s / divisor).collect(),
+            abs_max: self.abs_max.clone(),
+            samples: self.samples,
+            tokens: self.tokens,
+        })
+    }
+}
+
+fn check_activations_finite<A: Activation>(values: &[A], dim: usize) -> Result<(), HessianError> {
+    match values.iter().position(|v| !v.to_f32().is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(HessianError::NonFinite {
+            what: "activations",
+            row: i / dim,
+            col: i % dim,
+            value: values[i].to_f32() as f64,
+        }),
+    }
+}
+
+fn check_same_setup(
+    a: (usize, Normalization),
+    b: (usize, Normalization),
+) -> Result<(), HessianError> {
+    if a.0 != b.0 {
+        return Err(HessianError::DimensionMismatch {
+            what: "merged accumulators",
+            left: a.0,
+            right: b.0,
+        });
+    }
+    if a.1 != b.1 {
+        return Err(HessianError::MergeMismatch {
+            reason: "different normalizations",
+        });
+    }
+    Ok(())
+}
+
+fn normalization_divisor(
+    normalization: Normalization,
+    samples: u64,
+    tokens: u64,
+) -> Result<f64, HessianError> {
+    if samples == 0 {
+        return Err(HessianError::Empty {
+            what: "accumulator (no sample added)",
+        });
+    }
+    Ok(match normalization {
+        Normalization::PerSample => samples as f64,
+        Normalization::PerToken => tokens as f64,
+    })
+}

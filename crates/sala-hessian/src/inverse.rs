@@ -1,0 +1,233 @@
+//! The damped Cholesky inverse GPTQ needs: the upper Cholesky factor `U` of `(H + λI)⁻¹`.
+//!
+//! IST-DASLab computes it as `chol(cholesky_inverse(chol(H)), upper)`: three `n³/3` passes.
+//! We use the identity `U = R⁻¹`, where `H = R Rᵀ` with `R` upper triangular (the Cholesky
+//! factor of `H` in reversed index order): one Cholesky of the reversed matrix plus one
+//! triangular inverse, two `n³/3` passes for the same `U`. The textbook route is kept in
+//! [`crate::reference`] and the two are tested against each other.
+
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+use faer::linalg::triangular_inverse::invert_lower_triangular;
+use faer::{Mat, MatRef, Par};
+
+use crate::error::HessianError;
+use crate::hessian::Hessian;
+use crate::scalar::HessianScalar;
+
+/// Damping schedule: attempt `k` (0-based) adds `percdamp · growth^k · mean(diag H)` to the
+/// diagonal; `max_retries` further attempts follow a failed factorization.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Damping {
+    /// Relative damping of the first attempt (GPTQ's `damp_percent`, default 0.01).
+    pub percdamp: f64,
+    /// Factor applied to the relative damping at each retry (default 10, as the SALA script).
+    pub growth: f64,
+    /// Retries after the first attempt (default 5).
+    pub max_retries: usize,
+}
+
+impl Default for Damping {
+    fn default() -> Self {
+        Self {
+            percdamp: 0.01,
+            growth: 10.0,
+            max_retries: 5,
+        }
+    }
+}
+
+impl Damping {
+    /// Checks that the damping is positive and finite and that it grows.
+    pub fn validate(&self) -> Result<(), HessianError> {
+        if !(self.percdamp.is_finite() && self.percdamp > 0.0) {
+            return Err(HessianError::InvalidOption {
+                name: "percdamp",
+                value: self.percdamp.to_string(),
+                rule: "must be positive and finite",
+            });
+        }
+        if !(self.growth.is_finite() && self.growth > 1.0) {
+            return Err(HessianError::InvalidOption {
+                name: "growth",
+                value: self.growth.to_string(),
+                rule: "must be finite and greater than 1",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The result of the damped inversion, in the column order it was computed for.
+#[derive(Debug, Clone)]
+pub struct CholeskyInverse {
+    upper: Mat<f32>,
+    dead: Vec<bool>,
+    retries: usize,
+    damp: f64,
+    percdamp: f64,
+}
+
+impl CholeskyInverse {
+    /// Inverts `H` in its natural column order.
+    pub fn new<T: HessianScalar>(h: &Hessian<T>, damping: &Damping) -> Result<Self, HessianError> {
+        let order: Vec<usize> = (0..h.dim()).collect();
+        Self::with_order(h, &order, damping)
+    }
+
+    /// Inverts `P H Pᵀ`, where row `i` of the permuted matrix is row `order[i]` of `H`
+    /// (GPTQ's act-order permutation).
+    ///
+    /// Dead columns (`H[i,i] == 0`) get a unit diagonal (`H[dead, dead] = 1`, as in every
+    /// GPTQ implementation); the caller zeroes their weights. Errors: a non-finite element of `H`, an order that is not
+    /// a permutation, or a factorization that fails at every damping of the schedule.
+    pub fn with_order<T: HessianScalar>(
+        h: &Hessian<T>,
+        order: &[usize],
+        damping: &Damping,
+    ) -> Result<Self, HessianError> {
+        damping.validate()?;
+        h.check_finite()?;
+        check_permutation(order, h.dim())?;
+        let dead = dead_columns(h);
+        let mean_diag = mean_fixed_diagonal(h, &dead);
+        let mut percdamp = damping.percdamp;
+        for attempt in 0..=damping.max_retries {
+            let damp = percdamp * mean_diag;
+            if let Some(upper) = try_inverse_upper(h, order, &dead, damp) {
+                return Ok(Self {
+                    upper,
+                    dead: order.iter().map(|&i| dead[i]).collect(),
+                    retries: attempt,
+                    damp,
+                    percdamp,
+                });
+            }
+            if attempt < damping.max_retries {
+                percdamp *= damping.growth;
+            }
+        }
+        Err(HessianError::NotPositiveDefinite {
+            attempts: damping.max_retries + 1,
+            last_damp: percdamp * mean_diag,
+            last_percdamp: percdamp,
+        })
+    }
+
+    /// `U`, the upper Cholesky factor of `(H + λI)⁻¹` in the permuted order, `[dim, dim]`
+    /// (its strict lower triangle is zero).
+    pub fn upper(&self) -> MatRef<'_, f32> {
+        self.upper.as_ref()
+    }
+
+    /// Dead columns in the permuted order (`true` where `H[i,i] == 0`).
+    pub fn dead(&self) -> &[bool] {
+        &self.dead
+    }
+
+    /// Retries that were needed (0 when the first damping worked).
+    pub fn retries(&self) -> usize {
+        self.retries
+    }
+
+    /// The absolute damping `λ` that was added to the diagonal.
+    pub fn damp(&self) -> f64 {
+        self.damp
+    }
+
+    /// The relative damping that worked (`λ / mean(diag H)`).
+    pub fn percdamp(&self) -> f64 {
+        self.percdamp
+    }
+}
+
+fn check_permutation(order: &[usize], dim: usize) -> Result<(), HessianError> {
+    if order.len() != dim {
+        return Err(HessianError::DimensionMismatch {
+            what: "column order vs hessian",
+            left: order.len(),
+            right: dim,
+        });
+    }
+    let mut seen = vec![false; dim];
+    for &i in order {
+        if i >= dim || std::mem::replace(&mut seen[i], true) {
+            return Err(HessianError::InvalidOption {
+                name: "order",
+                value: i.to_string(),
+                rule: "must be a permutation of 0..dim",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `dead[i]` for each original column `i`.
+pub(crate) fn dead_columns<T: HessianScalar>(h: &Hessian<T>) -> Vec<bool> {
+    (0..h.dim()).map(|i| h.get(i, i).into() == 0.0).collect()
+}
+
+/// `mean(diag H)` after dead columns got their unit diagonal (the damping reference).
+pub(crate) fn mean_fixed_diagonal<T: HessianScalar>(h: &Hessian<T>, dead: &[bool]) -> f64 {
+    let sum: f64 = (0..h.dim())
+        .map(|i| if dead[i] { 1.0 } else { h.get(i, i).into() })
+        .sum();
+    sum / h.dim() as f64
+}
+
+/// One attempt: factor the damped, permuted matrix in reversed order, invert the factor.
+/// `None` when the factorization meets a non-positive pivot.
+fn try_inverse_upper<T: HessianScalar>(
+    h: &Hessian<T>,
+    order: &[usize],
+    dead: &[bool],
+    damp: f64,
+) -> Option<Mat<f32>> {
+    let n = h.dim();
+    let par = Par::rayon(0);
+    // A = J P (H + λI) Pᵀ J, J the reversal: its lower Cholesky factor Lr gives R = J Lr J.
+    let reversed = |i: usize| order[n - 1 - i];
+    let damp_t = T::from_f64(damp);
+    let mut a = Mat::<T>::from_fn(n, n, |i, j| {
+        let (oi, oj) = (reversed(i), reversed(j));
+        if i == j {
+            let d = if dead[oi] {
+                T::from_f64(1.0)
+            } else {
+                h.get(oi, oi)
+            };
+            d + damp_t
+        } else {
+            h.get(oi.max(oj), oi.min(oj))
+        }
+    });
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<T>(n, par, Default::default()));
+    let stack = MemStack::new(&mut mem);
+    cholesky_in_place(
+        a.as_mut(),
+        Default::default(),
+        par,
+        stack,
+        Default::default(),
+    )
+    .ok()?;
+    let mut l_inv = Mat::<T>::zeros(n, n);
+    invert_lower_triangular(l_inv.as_mut(), a.as_ref(), par);
+    // U = R⁻¹ = J Lr⁻¹ J.
+    let upper = Mat::<f32>::from_fn(n, n, |i, j| {
+        if i > j {
+            0.0
+        } else {
+            l_inv[(n - 1 - i, n - 1 - j)].to_f32()
+        }
+    });
+    if upper
+        .as_ref()
+        .col_iter()
+        .flat_map(|c| c.iter())
+        .any(|v| !v.is_finite())
+    {
+        return None;
+    }
+    Some(upper)
+}

@@ -1,0 +1,189 @@
+//! Textbook implementations, kept deliberately simple: the references the optimised paths of
+//! this crate (and the GPU kernels) are tested against.
+//!
+//! - [`gptq_sequential`]: GPTQ one column at a time, every update applied at once (no lazy
+//!   blocks, no GEMM, one thread);
+//! - [`inverse_upper_textbook`]: IST-DASLab's `chol(cholesky_inverse(chol(H)), upper)`;
+//! - [`hessian_naive`]: `Σ XᵀX` by a triple loop in f64;
+//! - [`nvfp4_block_search_naive`]: every candidate of every block, one thread.
+
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+use faer::linalg::cholesky::llt::inverse::{inverse, inverse_scratch};
+use faer::{Mat, Par};
+use sala_formats::NVFP4_BLOCK;
+
+use crate::block_search::{block_error, encode_into, Nvfp4BlockSearch, Nvfp4SearchResult};
+use crate::error::HessianError;
+use crate::gptq::{quantize_column, ColumnLoop, ColumnProblem, ColumnSolution, Gptq, GptqConfig};
+use crate::hessian::{Hessian, Normalization};
+use crate::inverse::{dead_columns, mean_fixed_diagonal};
+use crate::quantized::QuantizedLinear;
+use crate::scalar::HessianScalar;
+
+/// GPTQ with the textbook sequential column loop (the same preparation as
+/// [`Gptq::solve`]: dead columns, act-order, static groups, damping, un-permutation).
+pub fn gptq_sequential<T: HessianScalar>(
+    config: &GptqConfig,
+    weights: &[f32],
+    out: usize,
+    inp: usize,
+    h: &Hessian<T>,
+) -> Result<QuantizedLinear, HessianError> {
+    Gptq::new(*config)?.solve_with(weights, out, inp, h, ColumnLoop::Sequential)
+}
+
+/// The column loop one column at a time: quantize column `c`, then subtract
+/// `e · U[c, c+1..]` from the rest of the row immediately.
+pub(crate) fn sequential_loop(problem: &ColumnProblem<'_>, w: &mut [f32]) -> ColumnSolution {
+    let (out, inp) = (problem.out, problem.inp);
+    let groups = problem.groups();
+    let mut sol = ColumnSolution::new(problem);
+    for r in 0..out {
+        let w_row = &mut w[r * inp..(r + 1) * inp];
+        let params_row = &mut sol.params_rows[r * groups..(r + 1) * groups];
+        for c in 0..inp {
+            let (code, e, loss) = quantize_column(problem, r, c, w_row, params_row);
+            sol.codes[r * inp + c] = code;
+            sol.column_loss[c] += loss;
+            for (j, wj) in w_row.iter_mut().enumerate().skip(c + 1) {
+                *wj -= e * problem.upper[(c, j)];
+            }
+        }
+    }
+    sol
+}
+
+/// `U = chol(cholesky_inverse(chol(H + λI)), upper)` in f64, natural column order, dead
+/// columns given a unit diagonal, `λ = percdamp · mean(diag H)` (no retries).
+pub fn inverse_upper_textbook<T: HessianScalar>(
+    h: &Hessian<T>,
+    percdamp: f64,
+) -> Result<Mat<f64>, HessianError> {
+    let n = h.dim();
+    let dead = dead_columns(h);
+    let damp = percdamp * mean_fixed_diagonal(h, &dead);
+    let mut l = Mat::<f64>::from_fn(n, n, |i, j| {
+        let v = if i == j && dead[i] {
+            1.0
+        } else {
+            h.get(i.max(j), i.min(j)).into()
+        };
+        if i == j {
+            v + damp
+        } else {
+            v
+        }
+    });
+    cholesky_lower(&mut l, percdamp)?;
+    let mut h_inv = Mat::<f64>::zeros(n, n);
+    let mut mem = MemBuffer::new(inverse_scratch::<f64>(n, Par::Seq));
+    inverse(
+        h_inv.as_mut(),
+        l.as_ref(),
+        Par::Seq,
+        MemStack::new(&mut mem),
+    );
+    for j in 0..n {
+        for i in 0..j {
+            h_inv[(i, j)] = h_inv[(j, i)];
+        }
+    }
+    cholesky_lower(&mut h_inv, percdamp)?;
+    Ok(Mat::from_fn(
+        n,
+        n,
+        |i, j| if i <= j { h_inv[(j, i)] } else { 0.0 },
+    ))
+}
+
+fn cholesky_lower(a: &mut Mat<f64>, percdamp: f64) -> Result<(), HessianError> {
+    let n = a.nrows();
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(
+        n,
+        Par::Seq,
+        Default::default(),
+    ));
+    cholesky_in_place(
+        a.as_mut(),
+        Default::default(),
+        Par::Seq,
+        MemStack::new(&mut mem),
+        Default::default(),
+    )
+    .map_err(|_| HessianError::NotPositiveDefinite {
+        attempts: 1,
+        last_damp: f64::NAN,
+        last_percdamp: percdamp,
+    })?;
+    Ok(())
+}
+
+/// `Σ XᵀX` over samples `(activations [tokens, dim], tokens)`, normalized like
+/// [`HessianAccumulator`](crate::HessianAccumulator), by a triple loop in f64. Row-major
+/// `[dim, dim]`.
+pub fn hessian_naive(
+    samples: &[(&[f32], usize)],
+    dim: usize,
+    normalization: Normalization,
+) -> Vec<f64> {
+    let mut h = vec![0.0f64; dim * dim];
+    let mut tokens_total = 0usize;
+    for &(x, tokens) in samples {
+        let weight = match normalization {
+            Normalization::PerSample => 1.0 / tokens as f64,
+            Normalization::PerToken => 1.0,
+        };
+        for i in 0..dim {
+            for j in 0..dim {
+                let dot: f64 = (0..tokens)
+                    .map(|t| x[t * dim + i] as f64 * x[t * dim + j] as f64)
+                    .sum();
+                h[i * dim + j] += dot * weight;
+            }
+        }
+        tokens_total += tokens;
+    }
+    let divisor = match normalization {
+        Normalization::PerSample => samples.len() as f64,
+        Normalization::PerToken => tokens_total as f64,
+    };
+    h.iter().map(|v| v / divisor).collect()
+}
+
+/// The block-scale search evaluating all `iters` candidates of every block, one thread.
+pub fn nvfp4_block_search_naive(
+    search: &Nvfp4BlockSearch,
+    weights: &[f32],
+    rows: usize,
+    cols: usize,
+    diag_h: &[f32],
+    global_scale: f32,
+) -> Result<Nvfp4SearchResult, HessianError> {
+    let h = search.check(weights, rows, cols, diag_h, global_scale)?;
+    let mut result = Nvfp4SearchResult::zeros(rows, cols, global_scale);
+    for (b, block) in weights.chunks_exact(NVFP4_BLOCK).enumerate() {
+        let col0 = (b * NVFP4_BLOCK) % cols;
+        let hb = &h[col0..col0 + NVFP4_BLOCK];
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let mut best = (0u8, f32::INFINITY);
+        for i in 0..search.iters {
+            let byte = search.candidate(amax, global_scale, i);
+            let err = block_error(block, hb, byte, global_scale, search.error_norm);
+            if err < best.1 {
+                best = (byte, err);
+            }
+        }
+        result.block_scales[b] = best.0;
+        result.block_error[b] = best.1;
+        let span = b * NVFP4_BLOCK..(b + 1) * NVFP4_BLOCK;
+        encode_into(
+            block,
+            best.0,
+            global_scale,
+            &mut result.codes[span.clone()],
+            &mut result.dequantized[span],
+        );
+    }
+    Ok(result)
+}

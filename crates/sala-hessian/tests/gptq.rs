@@ -1,0 +1,380 @@
+//! GPTQ against RTN, against the textbook sequential loop, and on the numerical failures.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use sala_hessian::reference::{gptq_sequential, inverse_upper_textbook};
+use sala_hessian::{
+    CholeskyInverse, Damping, FailurePolicy, Gptq, GptqConfig, Hessian, HessianError, IntGrid,
+    IntScheme, Method, QuantizedLinear, Rtn,
+};
+
+const SCHEMES: [IntScheme; 3] = [
+    IntScheme::SymmetricIst,
+    IntScheme::SymmetricAbsMax,
+    IntScheme::Asymmetric,
+];
+
+fn config(bits: u32, scheme: IntScheme, group_size: Option<usize>) -> GptqConfig {
+    GptqConfig {
+        grid: IntGrid {
+            bits,
+            scheme,
+            group_size,
+        },
+        ..GptqConfig::default()
+    }
+}
+
+fn differing_codes(a: &QuantizedLinear, b: &QuantizedLinear) -> usize {
+    a.codes.iter().zip(&b.codes).filter(|(x, y)| x != y).count()
+}
+
+#[test]
+fn identity_hessian_gives_exactly_rtn() {
+    let mut rng = rng(1);
+    let (out, inp) = (16, 96);
+    let w = weights(&mut rng, out, inp);
+    let h = Hessian::<f64>::identity(inp);
+    for scheme in SCHEMES {
+        for bits in [2, 3, 4, 8] {
+            for group_size in [Some(32), Some(40), None] {
+                let cfg = config(bits, scheme, group_size);
+                let gptq = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+                let rtn = Rtn::new(cfg.grid)
+                    .unwrap()
+                    .quantize(&w, out, inp, Some(&h))
+                    .unwrap();
+                assert_eq!(gptq.codes, rtn.codes, "{scheme:?} {bits} {group_size:?}");
+                assert_eq!(gptq.params, rtn.params);
+                assert_eq!(gptq.g_idx, rtn.g_idx);
+                assert_eq!(gptq.dequantized, rtn.dequantized);
+                assert_eq!(gptq.proxy_error, rtn.proxy_error);
+                assert_eq!(gptq.method, Method::Gptq);
+            }
+        }
+    }
+}
+
+#[test]
+fn block_of_one_equals_the_sequential_algorithm_exactly() {
+    let mut rng = rng(2);
+    let (out, inp) = (24, 128);
+    let w = weights(&mut rng, out, inp);
+    let h = correlated_hessian::<f64>(&mut rng, inp, 3, 160);
+    let variants = [
+        (IntScheme::SymmetricIst, Some(32), false, false),
+        (IntScheme::SymmetricAbsMax, Some(32), true, false),
+        (IntScheme::Asymmetric, Some(32), true, true),
+        (IntScheme::SymmetricIst, None, true, false),
+        (IntScheme::Asymmetric, Some(48), false, false),
+    ];
+    for (scheme, group_size, act_order, static_groups) in variants {
+        let cfg = GptqConfig {
+            block_size: 1,
+            act_order,
+            static_groups,
+            ..config(4, scheme, group_size)
+        };
+        let fast = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+        let textbook = gptq_sequential(&cfg, &w, out, inp, &h).unwrap();
+        assert_eq!(
+            fast.codes, textbook.codes,
+            "{scheme:?} {group_size:?} {act_order} {static_groups}"
+        );
+        assert_eq!(fast.params, textbook.params);
+        assert_eq!(fast.g_idx, textbook.g_idx);
+        assert_eq!(fast.column_loss, textbook.column_loss);
+    }
+}
+
+#[test]
+fn lazy_blocks_match_the_sequential_algorithm() {
+    let mut rng = rng(3);
+    let (out, inp) = (64, 256);
+    let w = weights(&mut rng, out, inp);
+    // A ridge keeps rounding differences from cascading through the error feedback.
+    let mut h = correlated_hessian::<f64>(&mut rng, inp, 2, 300).to_row_major();
+    let mean = (0..inp).map(|i| h[i * inp + i]).sum::<f64>() / inp as f64;
+    for i in 0..inp {
+        h[i * inp + i] += 0.1 * mean;
+    }
+    let h = Hessian::from_row_major(inp, &h).unwrap();
+    let variants = [
+        (128, Some(128), false, false),
+        (128, Some(32), false, false),
+        (128, Some(96), false, false), // block shortened to 96
+        (32, Some(64), true, false),   // groups span two blocks
+        (128, Some(32), true, true),
+        (64, None, true, false),
+        (16, Some(16), false, false), // several outer blocks of 8 inner blocks
+        (8, None, true, false),
+        (16, Some(32), false, false), // groups longer than a block: single-level
+    ];
+    for (block_size, group_size, act_order, static_groups) in variants {
+        let cfg = GptqConfig {
+            block_size,
+            act_order,
+            static_groups,
+            ..config(4, IntScheme::SymmetricIst, group_size)
+        };
+        let fast = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+        let textbook = gptq_sequential(&cfg, &w, out, inp, &h).unwrap();
+        let label = format!(
+            "block {block_size} group {group_size:?} act {act_order} static {static_groups}"
+        );
+        // Lazy updates sum the same terms in another order: a code may flip at an exact tie,
+        // nothing more.
+        assert!(
+            differing_codes(&fast, &textbook) * 200 <= out * inp,
+            "{label}"
+        );
+        assert_eq!(fast.g_idx, textbook.g_idx, "{label}");
+        let rel = (fast.loss - textbook.loss).abs() / textbook.loss;
+        assert!(
+            rel < 1e-3,
+            "{label}: loss {} vs {}",
+            fast.loss,
+            textbook.loss
+        );
+        let (p, q) = (fast.proxy_error.unwrap(), textbook.proxy_error.unwrap());
+        assert!((p - q).abs() / q < 1e-2, "{label}: proxy {p} vs {q}");
+    }
+}
+
+#[test]
+fn fast_inverse_equals_the_textbook_route() {
+    let mut rng = rng(4);
+    let inp = 96;
+    let mut h = correlated_hessian::<f64>(&mut rng, inp, 2, 200).to_row_major();
+    // one dead channel
+    for k in 0..inp {
+        h[7 * inp + k] = 0.0;
+        h[k * inp + 7] = 0.0;
+    }
+    let h = Hessian::from_row_major(inp, &h).unwrap();
+    let fast = CholeskyInverse::new(&h, &Damping::default()).unwrap();
+    let textbook = inverse_upper_textbook(&h, 0.01).unwrap();
+    assert_eq!(fast.retries(), 0);
+    assert!(fast.dead()[7] && fast.dead().iter().filter(|&&d| d).count() == 1);
+    let max = (0..inp).map(|i| textbook[(i, i)].abs()).fold(0.0, f64::max);
+    for i in 0..inp {
+        for j in 0..inp {
+            let diff = (fast.upper()[(i, j)] as f64 - textbook[(i, j)]).abs();
+            assert!(
+                diff <= 1e-5 * max,
+                "U[{i},{j}]: {} vs {}",
+                fast.upper()[(i, j)],
+                textbook[(i, j)]
+            );
+        }
+    }
+}
+
+#[test]
+fn act_order_with_static_groups_has_a_monotone_g_idx() {
+    let mut rng = rng(5);
+    let (out, inp, gs) = (8, 128, 32);
+    let w = weights(&mut rng, out, inp);
+    let h = correlated_hessian::<f32>(&mut rng, inp, 2, 200);
+    let base = GptqConfig {
+        act_order: true,
+        ..config(4, IntScheme::SymmetricIst, Some(gs))
+    };
+    let dynamic = Gptq::new(base).unwrap().solve(&w, out, inp, &h).unwrap();
+    let fixed = Gptq::new(GptqConfig {
+        static_groups: true,
+        ..base
+    })
+    .unwrap()
+    .solve(&w, out, inp, &h)
+    .unwrap();
+    assert!(fixed.g_idx.windows(2).all(|p| p[0] <= p[1]));
+    assert_eq!(
+        fixed.g_idx,
+        (0..inp).map(|j| (j / gs) as i32).collect::<Vec<_>>()
+    );
+    // Without static groups the groups follow the act-order permutation: same group sizes,
+    // but not monotone in the original column order.
+    assert!(dynamic.g_idx.windows(2).any(|p| p[0] > p[1]));
+    for g in 0..inp / gs {
+        assert_eq!(dynamic.g_idx.iter().filter(|&&x| x == g as i32).count(), gs);
+    }
+    // Both pack and unpack to their own dequantized weight (orientation of params and g_idx).
+    for result in [&dynamic, &fixed] {
+        assert_eq!(
+            result.pack().unwrap().dequantize().unwrap(),
+            result.dequantized
+        );
+    }
+}
+
+#[test]
+fn rank_deficient_hessian_triggers_retries_and_succeeds() {
+    let mut rng = rng(6);
+    let (out, inp) = (8, 64);
+    // 12 tokens of 4 latent factors: rank 4 of 64.
+    let x = correlated_activations(&mut rng, 12, inp, 4);
+    let mut acc = sala_hessian::HessianAccumulator::<f32>::new(inp, Default::default()).unwrap();
+    acc.add_sample(&x, 12).unwrap();
+    let h = acc.finalize().unwrap();
+    let cfg = GptqConfig {
+        damping: Damping {
+            percdamp: 1e-12,
+            growth: 100.0,
+            max_retries: 6,
+        },
+        ..GptqConfig::default()
+    };
+    let w = weights(&mut rng, out, inp);
+    let result = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+    assert!(
+        result.damping_retries >= 1,
+        "retries {}",
+        result.damping_retries
+    );
+    assert!(result.percdamp > 1e-12);
+    assert_eq!(result.method, Method::Gptq);
+    assert!(result.dequantized.iter().all(|v| v.is_finite()));
+    assert!(result.loss.is_finite() && result.proxy_error.unwrap().is_finite());
+}
+
+fn indefinite_hessian(inp: usize) -> Hessian<f64> {
+    let mut h = vec![0.0f64; inp * inp];
+    for i in 0..inp {
+        h[i * inp + i] = 1.0;
+    }
+    h[1] = 50.0; // eigenvalues 1 ± 50 in the leading 2×2 block
+    h[inp] = 50.0;
+    Hessian::from_row_major(inp, &h).unwrap()
+}
+
+#[test]
+fn failed_inverse_is_an_error_or_an_rtn_fallback() {
+    let (out, inp) = (4, 32);
+    let w = weights(&mut rng(7), out, inp);
+    let h = indefinite_hessian(inp);
+    let cfg = GptqConfig {
+        damping: Damping {
+            max_retries: 2,
+            ..Damping::default()
+        },
+        ..GptqConfig::default()
+    };
+    let err = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap_err();
+    assert!(
+        matches!(err, HessianError::NotPositiveDefinite { attempts: 3, .. }),
+        "{err}"
+    );
+    let fallback = Gptq::new(GptqConfig {
+        on_failure: FailurePolicy::Rtn,
+        ..cfg
+    })
+    .unwrap()
+    .solve(&w, out, inp, &h)
+    .unwrap();
+    assert_eq!(fallback.method, Method::RtnFallback);
+    let rtn = Rtn::new(cfg.grid)
+        .unwrap()
+        .quantize::<f64>(&w, out, inp, None)
+        .unwrap();
+    assert_eq!(fallback.codes, rtn.codes);
+}
+
+#[test]
+fn non_finite_inputs_are_clear_errors() {
+    let (out, inp) = (4, 32);
+    let w = weights(&mut rng(8), out, inp);
+    let mut h = Hessian::<f64>::identity(inp).to_row_major();
+    h[5 * inp + 3] = f64::NAN;
+    let h = Hessian::from_row_major(inp, &h).unwrap();
+    let gptq = Gptq::new(GptqConfig::default()).unwrap();
+    match gptq.solve(&w, out, inp, &h).unwrap_err() {
+        HessianError::NonFinite { what, row, col, .. } => {
+            assert_eq!((what, row, col), ("hessian", 5, 3))
+        }
+        e => panic!("unexpected {e}"),
+    }
+    let mut bad_w = w.clone();
+    bad_w[inp + 2] = f32::INFINITY;
+    let err = gptq
+        .solve(&bad_w, out, inp, &Hessian::<f64>::identity(inp))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        HessianError::NonFinite {
+            what: "weights",
+            row: 1,
+            col: 2,
+            ..
+        }
+    ));
+    let err = gptq
+        .solve(&w, out, inp + 1, &Hessian::<f64>::identity(inp))
+        .unwrap_err();
+    assert!(matches!(err, HessianError::LengthMismatch { .. }));
+    let err = gptq
+        .solve(&w, out, inp, &Hessian::<f64>::identity(inp + 1))
+        .unwrap_err();
+    assert!(matches!(err, HessianError::DimensionMismatch { .. }));
+    let err = Gptq::new(config(9, IntScheme::SymmetricIst, Some(128))).unwrap_err();
+    assert!(matches!(err, HessianError::Format(_)));
+}
+
+#[test]
+fn dead_columns_quantize_to_zero() {
+    let mut rng = rng(9);
+    let (out, inp) = (8, 64);
+    let mut x = correlated_activations(&mut rng, 100, inp, 8);
+    for t in 0..100 {
+        x[t * inp + 10] = 0.0;
+    }
+    let mut acc = sala_hessian::HessianAccumulator::<f64>::new(inp, Default::default()).unwrap();
+    acc.add_sample(&x, 100).unwrap();
+    let h = acc.finalize().unwrap();
+    let w = weights(&mut rng, out, inp);
+    let result = Gptq::new(GptqConfig::default())
+        .unwrap()
+        .solve(&w, out, inp, &h)
+        .unwrap();
+    assert!((0..out).all(|r| result.dequantized[r * inp + 10] == 0.0));
+    assert_eq!(result.column_loss[10], 0.0);
+}
+
+#[test]
+fn proxy_error_is_the_trace_with_the_undamped_hessian() {
+    let mut rng = rng(10);
+    let (out, inp) = (300, 48); // more rows than one chunk of the proxy GEMM
+    let w = weights(&mut rng, out, inp);
+    let h = correlated_hessian::<f64>(&mut rng, inp, 2, 100);
+    let result = Gptq::new(GptqConfig::default())
+        .unwrap()
+        .solve(&w, out, inp, &h)
+        .unwrap();
+    let expected = proxy_naive(&w, &result.dequantized, inp, &h.to_row_major());
+    let got = result.proxy_error.unwrap();
+    assert!(
+        (got - expected).abs() <= 1e-9 * expected,
+        "{got} vs {expected}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// On correlated inputs GPTQ's output error is never above round-to-nearest's.
+    #[test]
+    fn gptq_output_error_never_exceeds_rtn(seed in any::<u8>(), bits in 3u32..=4, act_order in any::<bool>(),
+                                           scheme in prop::sample::select(SCHEMES.to_vec())) {
+        let mut rng = rng(seed);
+        let (out, inp) = (16, 64);
+        let w = weights(&mut rng, out, inp);
+        let h = correlated_hessian::<f64>(&mut rng, inp, 2, 96);
+        let cfg = GptqConfig { act_order, ..config(bits, scheme, Some(32)) };
+        let gptq = Gptq::new(cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+        let rtn = Rtn::new(cfg.grid).unwrap().quantize(&w, out, inp, Some(&h)).unwrap();
+        let (g, r) = (gptq.proxy_error.unwrap(), rtn.proxy_error.unwrap());
+        prop_assert!(g <= r, "gptq {} > rtn {}", g, r);
+    }
+}
