@@ -35,6 +35,15 @@ pub struct Sample {
     pub line: usize,
 }
 
+impl From<&sala_calib::CalibSample> for Sample {
+    fn from(s: &sala_calib::CalibSample) -> Self {
+        Self {
+            ids: s.ids.clone(),
+            line: s.line,
+        }
+    }
+}
+
 /// Statistics of one layer input, shared by every linear that reads it.
 enum InputStats {
     /// Full Hessian (GPTQ), f64.
@@ -556,7 +565,12 @@ impl<B: Backend> Run<'_, B> {
             proxy_error: true,
         })
         .map_err(solve_err)?;
-        let q = solver.solve(w, out, inp, h).map_err(solve_err)?;
+        let q = if opts.rtn {
+            let rtn = Rtn::new(grid).map_err(solve_err)?;
+            rtn.quantize(w, out, inp, Some(h)).map_err(solve_err)?
+        } else {
+            solver.solve(w, out, inp, h).map_err(solve_err)?
+        };
         if self.options.compare_rtn {
             let rtn = Rtn::new(grid)
                 .map_err(solve_err)?
