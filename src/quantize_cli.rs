@@ -93,6 +93,9 @@ pub struct Args {
     /// Fall back to RTN for a linear whose Hessian cannot be factored even after retries.
     #[arg(long)]
     rtn_fallback: bool,
+    /// Plain round-to-nearest instead of the GPTQ solver (a baseline for comparisons).
+    #[arg(long)]
+    rtn: bool,
     /// NVFP4 block-scale search iterations (1 = plain max calibration).
     #[arg(long, default_value_t = 120)]
     mse_iters: usize,
@@ -291,6 +294,7 @@ fn options_from(
     options.gptq.act_order = args.act_order;
     options.gptq.static_groups = args.static_groups;
     options.gptq.rtn_fallback = args.rtn_fallback;
+    options.gptq.rtn = args.rtn;
     options.nvfp4_search = Nvfp4BlockSearch {
         iters: args.mse_iters,
         max_shrink: args.mse_max_shrink,

@@ -22,7 +22,11 @@ fn an_external_project_builds_and_quantizes_through_the_public_api() {
         .output()
         .expect("cargo runs");
     let stdout = String::from_utf8_lossy(&result.stdout);
-    assert!(result.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&result.stderr));
+    assert!(
+        result.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
     assert!(stdout.contains("verified ok"), "{stdout}");
     assert!(output.join("quantize_config.json").is_file());
 }

@@ -22,7 +22,10 @@ fn assert_absent(path: &Path) {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().contains(".partial"))
         .collect();
-    assert!(leftovers.is_empty(), "staging directories left behind: {leftovers:?}");
+    assert!(
+        leftovers.is_empty(),
+        "staging directories left behind: {leftovers:?}"
+    );
 }
 
 #[test]
@@ -30,7 +33,12 @@ fn a_missing_calibration_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let missing = dir.path().join("nope.jsonl");
-    let err = error_of(&["--output", out.to_str().unwrap(), "--calib-data", missing.to_str().unwrap()]);
+    let err = error_of(&[
+        "--output",
+        out.to_str().unwrap(),
+        "--calib-data",
+        missing.to_str().unwrap(),
+    ]);
     assert!(err.contains("nope.jsonl"), "{err}");
     assert!(!err.contains('\n'), "one line: {err}");
     assert_absent(&out);
@@ -42,7 +50,12 @@ fn an_empty_calibration_file_is_refused() {
     let out = dir.path().join("out");
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
-    let err = error_of(&["--output", out.to_str().unwrap(), "--calib-data", empty.to_str().unwrap()]);
+    let err = error_of(&[
+        "--output",
+        out.to_str().unwrap(),
+        "--calib-data",
+        empty.to_str().unwrap(),
+    ]);
     assert!(err.contains("empty.jsonl"), "{err}");
     assert_absent(&out);
 }
@@ -53,7 +66,12 @@ fn a_malformed_line_is_named_by_number() {
     let out = dir.path().join("out");
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"fine\"}\n{not json\n").unwrap();
-    let err = error_of(&["--output", out.to_str().unwrap(), "--calib-data", bad.to_str().unwrap()]);
+    let err = error_of(&[
+        "--output",
+        out.to_str().unwrap(),
+        "--calib-data",
+        bad.to_str().unwrap(),
+    ]);
     assert!(err.contains("bad.jsonl") && err.contains('2'), "{err}");
     assert_absent(&out);
 }
@@ -68,7 +86,10 @@ fn an_output_inside_the_input_is_refused() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
     }
-    let before: Vec<_> = std::fs::read_dir(&model).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let before: Vec<_> = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     let out = model.join("quantized");
     let err = error_of(&[
         "--input",
@@ -81,7 +102,10 @@ fn an_output_inside_the_input_is_refused() {
         "32",
     ]);
     assert!(err.contains("quantized") || err.contains("input"), "{err}");
-    let after: Vec<_> = std::fs::read_dir(&model).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let after: Vec<_> = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(before, after, "the input directory changed");
 }
 
@@ -94,7 +118,10 @@ fn bad_plan_flags_fail_before_any_compute() {
         (vec!["--layer-bits", "3-x:4"], "--layer-bits"),
         (vec!["--group-size", "96"], "group size 96"),
         (vec!["--recipe", "nvfp4", "--bits", "8"], "8 bits"),
-        (vec!["--exclude", "model.layers.1.self_attn.k_proj"], "fused group"),
+        (
+            vec!["--exclude", "model.layers.1.self_attn.k_proj"],
+            "fused group",
+        ),
         (vec!["--exclude", "("], "--exclude"),
     ] {
         let mut all = vec!["--output", o];

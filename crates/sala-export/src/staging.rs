@@ -126,7 +126,11 @@ fn resolve_lenient(path: &Path) -> Result<PathBuf, ExportError> {
             _ => break,
         }
     }
-    let base = if existing.as_os_str().is_empty() { Path::new(".") } else { existing };
+    let base = if existing.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        existing
+    };
     let mut resolved = fs::canonicalize(base).map_err(ExportError::io(base))?;
     resolved.extend(rest.iter().rev());
     Ok(resolved)

@@ -24,6 +24,9 @@ struct Args {
     repeats: usize,
 }
 
+/// One task's rows: index, weights, block scales, packed codes.
+type RowChunk<'a> = (usize, ((&'a [f32], &'a mut [u8]), &'a mut [u8]));
+
 /// Rows handed to one rayon task.
 const ROWS_PER_TASK: usize = 64;
 
@@ -74,7 +77,7 @@ fn nvfp4_quantize(
     let mut scales = vec![0u8; w.len() / NVFP4_BLOCK];
     let mut packed = vec![0u8; w.len() / 2];
     let chunk = ROWS_PER_TASK * cols;
-    let job = |(i, ((wc, sc), pc)): (usize, ((&[f32], &mut [u8]), &mut [u8]))| {
+    let job = |(i, ((wc, sc), pc)): RowChunk<'_>| {
         quantize_rows_into(wc, cols, global, i * ROWS_PER_TASK, true, sc, pc)
     };
     if parallel {

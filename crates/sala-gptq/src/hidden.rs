@@ -121,10 +121,10 @@ mod tests {
             mem.set(i, &values);
             disk.set(i, &values);
         }
-        for i in 0..lengths.len() {
+        for (i, &n) in lengths.iter().enumerate() {
             assert_eq!(mem.get(i), disk.get(i));
-            assert_eq!(mem.tokens(i), lengths[i]);
-            let expected: Vec<f32> = (0..lengths[i] * 4)
+            assert_eq!(mem.tokens(i), n);
+            let expected: Vec<f32> = (0..n * 4)
                 .map(|k| bf16::from_f32((k as f32 + 0.3) * (i as f32 + 1.7)).to_f32())
                 .collect();
             assert_eq!(mem.get(i), expected);

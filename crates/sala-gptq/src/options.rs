@@ -20,6 +20,8 @@ pub struct GptqOptions {
     pub static_groups: bool,
     /// Quantize with RTN when even the last damping retry cannot factor the Hessian.
     pub rtn_fallback: bool,
+    /// Skip the solver: plain round-to-nearest on the same grid (the baseline); default off.
+    pub rtn: bool,
 }
 
 impl Default for GptqOptions {
@@ -31,6 +33,7 @@ impl Default for GptqOptions {
             act_order: false,
             static_groups: false,
             rtn_fallback: false,
+            rtn: false,
         }
     }
 }
