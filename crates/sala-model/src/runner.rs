@@ -163,6 +163,54 @@ impl<B: Backend> LayerRunner<B> {
         rms_norm(x, weight, self.config.rms_norm_eps(), self.options.numerics)
     }
 
+    /// Checks `hidden` and that `weights` belong to a layer of this config.
+    fn device_layer<'a>(
+        &'a self,
+        weights: &'a LayerWeights,
+        hidden: &Tensor<B, 2>,
+    ) -> Result<DeviceLayer<'a, B>> {
+        self.check_hidden(hidden)?;
+        let layer = weights.layer;
+        if layer >= self.config.num_layers() || weights.kind != self.config.layer_kind(layer) {
+            return Err(ModelError::InvalidInput(format!(
+                "weights of layer {layer} ({:?}) do not match the config",
+                weights.kind
+            )));
+        }
+        Ok(DeviceLayer::<B> {
+            weights,
+            prefix: format!("model.layers.{layer}"),
+            device: &self.device,
+        })
+    }
+
+    /// The inputs of a lightning layer's GLA for the layer input `hidden` `[tokens, hidden]`:
+    /// `[q, k, v]`, each `[tokens, heads, d]`, after `input_layernorm`, the projections, the
+    /// per-head q/k RMSNorm and RoPE, with q already multiplied by the attention scale
+    /// `1/√d` — exactly what [`gla::chunked`] consumes inside [`LayerRunner::run_layer`]
+    /// (there as `[heads, tokens, d]`). Errors unless `weights` is a lightning layer.
+    pub fn lightning_gla_inputs(
+        &self,
+        weights: &LayerWeights,
+        hidden: Tensor<B, 2>,
+    ) -> Result<[Tensor<B, 3>; 3]> {
+        let w = self.device_layer(weights, &hidden)?;
+        if weights.kind != LayerKind::Lightning {
+            return Err(ModelError::InvalidInput(format!(
+                "layer {} is {:?}, not a lightning layer",
+                weights.layer, weights.kind
+            )));
+        }
+        let a = self.norm(
+            hidden,
+            w.tensor("input_layernorm", [self.config.hidden_size()])?,
+        );
+        let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| {
+            Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
+        };
+        self.lightning_qkv(&w, &a, &mut apply)
+    }
+
     /// Runs decoder layer `weights.layer` on `hidden` `[tokens, hidden]` and returns its output.
     ///
     /// `tap(name, x)` is called once per linear, in forward order, with the full module name
@@ -178,19 +226,8 @@ impl<B: Backend> LayerRunner<B> {
     where
         F: FnMut(&str, &Tensor<B, 2>),
     {
-        self.check_hidden(&hidden)?;
+        let w = self.device_layer(weights, &hidden)?;
         let layer = weights.layer;
-        if layer >= self.config.num_layers() || weights.kind != self.config.layer_kind(layer) {
-            return Err(ModelError::InvalidInput(format!(
-                "weights of layer {layer} ({:?}) do not match the config",
-                weights.kind
-            )));
-        }
-        let w = DeviceLayer::<B> {
-            weights,
-            prefix: format!("model.layers.{layer}"),
-            device: &self.device,
-        };
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
             tap(&format!("{}.{name}", w.prefix), &x);
@@ -282,9 +319,36 @@ impl<B: Backend> LayerRunner<B> {
         let dims = self.config.lightning_heads().ok_or_else(|| {
             ModelError::InvalidInput("lightning layer without lightning heads".into())
         })?;
-        let (tokens, hidden) = (a.dims()[0], self.config.hidden_size());
-        let (heads, d) = (dims.heads, dims.head_dim);
-        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
+        let hidden = self.config.hidden_size();
+        let (tokens, heads, d) = (a.dims()[0], dims.heads, dims.head_dim);
+        let [q, k, v] = self.lightning_qkv(w, &a, apply)?;
+        let out = gla::chunked(
+            q.swap_dims(0, 1),
+            k.swap_dims(0, 1),
+            v.swap_dims(0, 1),
+            &gla::log_decays(heads),
+            self.options.gla_chunk,
+        );
+        let out = self.round(out.swap_dims(0, 1).reshape([tokens, heads * d]));
+        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
+        let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
+        let gated = self.round(out * self.round(sigmoid(gate)));
+        apply("self_attn.o_proj", gated, [hidden, heads * d])
+    }
+
+    /// Lightning q (scaled), k, v `[tokens, heads, d]` from the normed input `a`: projections,
+    /// q/k RMSNorm per head, RoPE.
+    fn lightning_qkv(
+        &self,
+        w: &DeviceLayer<'_, B>,
+        a: &Tensor<B, 2>,
+        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+    ) -> Result<[Tensor<B, 3>; 3]> {
+        let dims = self.config.lightning_heads().ok_or_else(|| {
+            ModelError::InvalidInput("lightning layer without lightning heads".into())
+        })?;
+        let (tokens, heads, d) = (a.dims()[0], dims.heads, dims.head_dim);
+        let [q, k, v] = self.project_qkv(a, dims, apply)?;
         let head_norm = |x: Tensor<B, 3>, name: &str| -> Result<Tensor<B, 3>> {
             let flat = x.reshape([tokens * heads, d]);
             Ok(self
@@ -303,18 +367,7 @@ impl<B: Backend> LayerRunner<B> {
             self.options.numerics,
         );
         let scale = 1.0 / (d as f64).sqrt();
-        let out = gla::chunked(
-            q.mul_scalar(scale).swap_dims(0, 1),
-            k.swap_dims(0, 1),
-            v.swap_dims(0, 1),
-            &gla::log_decays(heads),
-            self.options.gla_chunk,
-        );
-        let out = self.round(out.swap_dims(0, 1).reshape([tokens, heads * d]));
-        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
-        let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
-        let gated = self.round(out * self.round(sigmoid(gate)));
-        apply("self_attn.o_proj", gated, [hidden, heads * d])
+        Ok([q.mul_scalar(scale), k, v])
     }
 
     /// Llama mixer: RoPE on q and k, GQA causal attention, `o_proj`.

@@ -241,3 +241,51 @@ fn end_to_end_logits_in_both_numerics() {
         "max difference {err}"
     );
 }
+
+/// The GLA inputs exposed for the drift study are the ones the layer uses: the recurrence
+/// reference on them, `o_norm` and the `z_proj` gate reproduce the tapped input of `o_proj`.
+#[test]
+fn lightning_gla_inputs_reproduce_the_layer() {
+    let (config, store) = open("tiny-sala");
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let layer = 1;
+    let hidden = runner.embed(&store, &ids(24)).unwrap();
+    let weights = LayerWeights::load(&store, &config, layer).unwrap();
+    let (_, _, taps) = run_with_taps(&runner, &weights, hidden.clone());
+    let [q, k, v] = runner.lightning_gla_inputs(&weights, hidden).unwrap();
+    let [tokens, heads, d] = q.dims();
+    assert_eq!([tokens, heads, d], [24, 4, 64]);
+    let out = sala_model::ops::gla::recurrent_reference(
+        &to_vec(q),
+        &to_vec(k),
+        &to_vec(v),
+        tokens,
+        heads,
+        d,
+        &sala_model::ops::gla::log_decays(heads),
+    );
+    let normed = rms_norm(
+        from_vec(out, [tokens, heads * d]),
+        norm_weight(&weights, "self_attn.o_norm"),
+        config.rms_norm_eps(),
+        Numerics::F32,
+    );
+    let z_in = taps[&format!("model.layers.{layer}.self_attn.z_proj")].clone();
+    let gate = burn::tensor::activation::sigmoid(
+        z_in.matmul(weight(&weights, "self_attn.z_proj").transpose()),
+    );
+    let o_in = taps[&format!("model.layers.{layer}.self_attn.o_proj")].clone();
+    assert_close(normed * gate, o_in, "o_proj input");
+}
+
+#[test]
+fn lightning_gla_inputs_refuse_other_layers() {
+    let (config, store) = open("tiny-sala");
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let hidden = runner.embed(&store, &ids(8)).unwrap();
+    let weights = LayerWeights::load(&store, &config, 0).unwrap();
+    assert!(matches!(
+        runner.lightning_gla_inputs(&weights, hidden),
+        Err(ModelError::InvalidInput(_))
+    ));
+}
