@@ -30,14 +30,25 @@ def modules(tensors: dict, suffix: str) -> list:
     return sorted(n[: -len(suffix) - 1] for n in tensors if n.endswith("." + suffix))
 
 
+def ct_args(**kwargs):
+    """compressed-tensors >= 0.20 needs explicit QuantizationArgs to dequantize."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(**kwargs)
+
+
 def ct_gptq(t, m, group_size):
-    from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
+    try:  # compressed-tensors 0.20
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    except ImportError:  # 0.12
+        from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
     qweight, scales = t[m + ".qweight"], t[m + ".scales"].float()
     out, inp = qweight.shape[1], t[m + ".g_idx"].shape[0]
     codes = unpack_from_int32(qweight.T.contiguous(), 4, torch.Size((out, inp)))
-    return dequantize(codes, scales.T.contiguous()).float()
+    args = ct_args(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    return dequantize(codes, scales.T.contiguous(), args=args).float()
 
 
 def gptqmodel_gptq(t, m, group_size):
@@ -56,17 +67,18 @@ def gptqmodel_gptq(t, m, group_size):
 
 
 def ct_nvfp4(t, m, _):
-    try:
+    try:  # compressed-tensors 0.20
+        from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    except ImportError:  # 0.12
         from compressed_tensors.compressors.quantized_compressors.fp4_quantized import unpack_fp4_from_uint8
-    except ImportError:
-        from compressed_tensors.compressors.quantized_compressors.nvfp4_quantized import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
     w = t[m + ".weight"]
     out, inp = w.shape[0], w.shape[1] * 2
     codes = unpack_fp4_from_uint8(w, out, inp, torch.float32)
     gs = 1.0 / t[m + ".weight_scale_2"].float().reshape(1)
-    return dequantize(codes, t[m + ".weight_scale"].float(), global_scale=gs).float()
+    args = ct_args(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16)
+    return dequantize(codes, t[m + ".weight_scale"].float(), args=args, global_scale=gs).float()
 
 
 def modelopt_nvfp4(t, m, _):
@@ -86,23 +98,27 @@ def main(directory: str, ours_file: str) -> int:
     with safe_open(ours_file, framework="pt") as f:
         ours = {n: f.get_tensor(n) for n in f.keys()}
     if config["quant_method"] == "gptq":
-        names, readers = modules(tensors, "qweight"), [("compressed-tensors", ct_gptq), ("gptqmodel", gptqmodel_gptq)]
+        names, readers = modules(tensors, "qweight"), [("compressed-tensors", ct_gptq, 0.0), ("gptqmodel", gptqmodel_gptq, 0.0)]
     else:
-        names, readers = modules(tensors, "weight_scale"), [("compressed-tensors", ct_nvfp4), ("modelopt", modelopt_nvfp4)]
+        # compressed-tensors divides by the reciprocal global scale (`scale / (1/weight_scale_2)`)
+        # where ModelOpt multiplies: one rounding apart, so 2 ulps of relative slack for it.
+        names, readers = modules(tensors, "weight_scale"), [("compressed-tensors", ct_nvfp4, 2.0**-22), ("modelopt", modelopt_nvfp4, 0.0)]
     group_size = config.get("group_size", 16)
     failed = False
-    for label, reader in readers:
-        worst, status = 0.0, "PASS"
+    for label, reader, tolerance in readers:
+        worst, worst_rel, status = 0.0, 0.0, "PASS"
         try:
             for m in names:
-                theirs = reader(tensors, m, group_size)
-                diff = (theirs - ours[m + ".weight"]).abs().max().item()
-                worst = max(worst, diff)
-            if worst != 0.0:
+                theirs, mine = reader(tensors, m, group_size), ours[m + ".weight"]
+                diff = (theirs - mine).abs()
+                worst = max(worst, diff.max().item())
+                worst_rel = max(worst_rel, (diff / mine.abs().clamp_min(1e-30)).max().item())
+            if worst_rel > tolerance:
                 status, failed = "FAIL", True
         except Exception as e:  # an API we do not know: report, never count as a pass
             status = f"SKIPPED ({type(e).__name__}: {e})"
-        print(f"{directory.name}: {label}: {len(names)} linears, max |theirs - ours| = {worst} -> {status}")
+        print(f"{directory.name}: {label}: {len(names)} linears, max |theirs - ours| = {worst}, "
+              f"max relative {worst_rel:.3g} (allowed {tolerance:.3g}) -> {status}")
     return 1 if failed else 0
 
 

@@ -17,7 +17,10 @@ venv="${INTEROP_VENV:-$root/target/interop-venv}"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install --upgrade pip
-    "$venv/bin/pip" install --index-url https://download.pytorch.org/whl/cpu \
+    # The CPU wheel index keeps the download small; set TORCH_INDEX= (empty) to take torch
+    # from PyPI (with its CUDA libraries) where download.pytorch.org is not reachable.
+    torch_index="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+    "$venv/bin/pip" install ${torch_index:+--index-url "$torch_index"} \
         "$(grep '^torch==' "$here/requirements.txt")"
     "$venv/bin/pip" install -r "$here/requirements.txt"
 fi
