@@ -18,9 +18,7 @@ use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Gptq, GptqConfig as SolverConfig, Hessian,
     HessianAccumulator, IntGrid, Method, Normalization, Rtn,
 };
-use sala_model::{
-    input_groups, InputGroup, InputSource, LayerRunner, LayerWeights, SalaConfig, TensorStore,
-};
+use sala_model::{input_groups, InputGroup, LayerRunner, LayerWeights, SalaConfig, TensorStore};
 use sala_smooth::ScaleRecipe;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -418,8 +416,8 @@ impl<B: Backend> Run<'_, B> {
         })
     }
 
-    /// SmoothQuant on every foldable group with a quantized reader (NVFP4: not up→down, as the
-    /// original recipe). Returns each smoothed linear's scale range.
+    /// SmoothQuant on every group the plan marks ([`PlannedLinear::smooth_group`]) with a
+    /// quantized reader. Returns each smoothed linear's scale range.
     fn smooth(
         &self,
         groups: &[InputGroup],
@@ -435,12 +433,16 @@ impl<B: Backend> Run<'_, B> {
         let recipe = ScaleRecipe::original(alpha);
         let readers = reader_map(groups);
         for (g, group) in groups.iter().enumerate() {
-            let skip_for_recipe = self.plan.recipe == Recipe::Nvfp4
-                && matches!(group.source, InputSource::UpProjection { .. });
+            // The plan says which inputs the recipe smooths (NVFP4: not up→down).
+            let planned = self
+                .plan
+                .get(&group.readers[0])
+                .and_then(|l| l.smooth_group.as_ref())
+                .is_some();
             let Some(smooth_group) = smooth_group_of(group) else {
                 continue;
             };
-            if !needed[g] || skip_for_recipe {
+            if !needed[g] || !planned {
                 continue;
             }
             let name = group.source.name().to_owned();

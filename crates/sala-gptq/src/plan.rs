@@ -164,6 +164,11 @@ pub struct PlannedLinear {
     /// Fused group whose members must share precision (and, for NVFP4, the global scale):
     /// `model.layers.N.qkv` or `model.layers.N.gate_up`.
     pub fused_group: Option<String>,
+    /// The SmoothQuant group this linear's input columns belong to when smoothing is on, named
+    /// by its source (`model.layers.N.input_layernorm`, `…o_norm`, `…post_attention_layernorm`,
+    /// `…mlp.up_proj`); `None` when its input cannot absorb a scale or the recipe does not smooth
+    /// it (NVFP4 has no up→down group). Groups whose readers are all kept 16-bit are skipped.
+    pub smooth_group: Option<String>,
 }
 
 impl PlannedLinear {
@@ -202,9 +207,11 @@ impl QuantPlan {
         let mut linears = Vec::new();
         for layer in 0..config.num_layers() {
             let kind = config.layer_kind(layer);
+            let groups = sala_model::input_groups(config, layer);
             for spec in config.linear_specs(layer) {
                 let treatment = treatment_for(&spec.name, layer, kind, options)?;
                 linears.push(PlannedLinear {
+                    smooth_group: smooth_source(&groups, &spec.name, options.recipe),
                     fused_group: fused_group(&spec.name, layer),
                     name: spec.name,
                     layer: Some(layer),
@@ -225,6 +232,7 @@ impl QuantPlan {
                 keep("lm_head is not quantized (--quantize-lm-head)")
             },
             fused_group: None,
+            smooth_group: None,
         };
         if !config.tie_word_embeddings() || options.quantize_lm_head {
             linears.push(lm_head);
@@ -404,6 +412,21 @@ fn global_treatment(bits: u32, options: &PlanOptions) -> Result<Treatment, PlanE
             Ok(Treatment::Nvfp4)
         }
     }
+}
+
+/// The smoothing source of `linear` under `recipe`: GPTQ smooths the four foldable inputs of a
+/// layer, NVFP4 all but up→down (the original scripts' 4 and 3 groups).
+fn smooth_source(
+    groups: &[sala_model::InputGroup],
+    linear: &str,
+    recipe: Recipe,
+) -> Option<String> {
+    let group = groups
+        .iter()
+        .find(|g| g.readers.iter().any(|r| r == linear))?;
+    let excluded = recipe == Recipe::Nvfp4
+        && matches!(group.source, sala_model::InputSource::UpProjection { .. });
+    (group.source.is_foldable() && !excluded).then(|| group.source.name().to_owned())
 }
 
 /// q/k/v and gate/up of one layer form fused groups (one fused linear in the serving engines).

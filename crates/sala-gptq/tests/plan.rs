@@ -166,3 +166,53 @@ fn the_table_has_one_row_per_layer() {
     );
     assert!(table.ends_with("216 of 257 linears quantized"), "{table}");
 }
+
+#[test]
+fn smoothing_groups_are_the_original_four_for_gptq_and_three_for_nvfp4() {
+    let config = sala9b();
+    let group_of = |plan: &QuantPlan, name: &str| plan.get(name).unwrap().smooth_group.clone();
+    let gptq = QuantPlan::build(&config, &PlanOptions::new(Recipe::Gptq)).unwrap();
+    // minicpm4 layer 0: o_gate reads input_layernorm's output, like q/k/v.
+    for p in ["q_proj", "k_proj", "v_proj", "o_gate"] {
+        let name = format!("model.layers.0.self_attn.{p}");
+        assert_eq!(
+            group_of(&gptq, &name).as_deref(),
+            Some("model.layers.0.input_layernorm"),
+            "{name}"
+        );
+    }
+    assert_eq!(group_of(&gptq, "model.layers.0.self_attn.o_proj"), None); // gated attention output
+    assert_eq!(
+        group_of(&gptq, "model.layers.1.self_attn.z_proj").as_deref(),
+        Some("model.layers.1.input_layernorm")
+    );
+    assert_eq!(
+        group_of(&gptq, "model.layers.1.self_attn.o_proj").as_deref(),
+        Some("model.layers.1.self_attn.o_norm")
+    );
+    assert_eq!(
+        group_of(&gptq, "model.layers.1.mlp.up_proj").as_deref(),
+        Some("model.layers.1.post_attention_layernorm")
+    );
+    assert_eq!(
+        group_of(&gptq, "model.layers.1.mlp.down_proj").as_deref(),
+        Some("model.layers.1.mlp.up_proj")
+    );
+    let nvfp4 = QuantPlan::build(&config, &PlanOptions::new(Recipe::Nvfp4)).unwrap();
+    assert_eq!(group_of(&nvfp4, "model.layers.1.mlp.down_proj"), None);
+    assert_eq!(
+        group_of(&nvfp4, "model.layers.1.mlp.gate_proj").as_deref(),
+        Some("model.layers.1.post_attention_layernorm")
+    );
+    let groups = |plan: &QuantPlan| {
+        let mut g: Vec<String> = plan
+            .linears
+            .iter()
+            .filter(|l| l.layer == Some(1))
+            .filter_map(|l| l.smooth_group.clone())
+            .collect();
+        g.dedup();
+        g.len()
+    };
+    assert_eq!((groups(&gptq), groups(&nvfp4)), (4, 3));
+}
