@@ -4,7 +4,7 @@
 //! growth exponent `p` of `error ∝ N^p` (≈ 1: linear bias, ≈ 0.5: noise, ≈ 0: bounded).
 //!
 //! ```text
-//! cargo run --release --example drift -- fixtures/tiny-sala target/quantized/tiny-sala-gptq
+//! cargo run --release --example drift -- fixtures/tiny-sala-trained target/quantized/tiny-sala-trained-gptq
 //! cargo run --release --example drift -- <orig> <quant> --max-len 4096 --period 8 --isolated
 //! ```
 

@@ -2,7 +2,7 @@
 //! mean and max per-token KL(original ‖ quantized), top-1 agreement, per sequence length.
 //!
 //! ```text
-//! cargo run --release --example eval_quant -- fixtures/tiny-sala target/quantized/tiny-sala-gptq
+//! cargo run --release --example eval_quant -- fixtures/tiny-sala-trained target/quantized/tiny-sala-trained-gptq
 //! cargo run --release --example eval_quant -- <orig> <quant> --text fixtures/text/heldout.txt \
 //!     --lengths 64,256,1024 --per-bucket 4 --json eval.json
 //! ```
