@@ -1,1 +1,35 @@
-//! sala-kernels: CubeCL kernels; under construction (the GPU issue).
+//! # sala-kernels
+//!
+//! CubeCL kernels of the calibration mathematics, generic over the runtime (wgpu in tests and
+//! CI, CUDA in production), each with the contract of its CPU reference in `sala-hessian`:
+//!
+//! - [`device`]: f32 matrix windows in device memory ([`MatrixView`]) and flat vectors;
+//! - [`gemm`]: the [`Gemm`] trait (`C ← β·C + α·op(A)·op(B)`) and its portable
+//!   implementation [`CubeGemm`] (cubek-matmul);
+//! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
+//! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
+//! - [`block_search`]: the NVFP4 block-scale search ([`nvfp4_block_search`]);
+//! - [`flip`]: `A ← P·A·P`, `P` the reversal ([`flip::reverse_in_place`]), for the cuSOLVER
+//!   route to GPTQ's factor;
+//! - [`error`]: the one error type, [`KernelError`].
+
+pub mod block_search;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
+pub mod error;
+pub mod flip;
+pub mod gemm;
+pub mod gptq;
+pub mod hessian;
+mod launch;
+
+pub use block_search::{nvfp4_block_search, DeviceBlockSearch};
+pub use device::{DeviceVec, Element, MatrixView};
+pub use error::KernelError;
+pub use gemm::{CubeGemm, Gemm};
+pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
+pub use hessian::accumulate_xtx;
+
+/// The CubeCL version these kernels are written against (pinned `=0.10.0`).
+pub use cubecl;

@@ -5,13 +5,14 @@
 //!   blocks, no GEMM, one thread);
 //! - [`inverse_upper_textbook`]: IST-DASLab's `chol(cholesky_inverse(chol(H)), upper)`;
 //! - [`hessian_naive`]: `Σ XᵀX` by a triple loop in f64;
-//! - [`nvfp4_block_search_naive`]: every candidate of every block, one thread.
+//! - [`nvfp4_block_search_naive`]: every candidate of every block, one thread;
+//! - [`gptq_column_loop`]: only the sequential column loop, on prepared `(W, U)`.
 
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
 use faer::linalg::cholesky::llt::inverse::{inverse, inverse_scratch};
-use faer::{Mat, Par};
-use sala_formats::NVFP4_BLOCK;
+use faer::{Mat, MatRef, Par};
+use sala_formats::{IntQuantizer, QuantParams, NVFP4_BLOCK};
 
 use crate::block_search::{block_error, encode_into, Nvfp4BlockSearch, Nvfp4SearchResult};
 use crate::error::HessianError;
@@ -31,6 +32,63 @@ pub fn gptq_sequential<T: HessianScalar>(
     h: &Hessian<T>,
 ) -> Result<QuantizedLinear, HessianError> {
     Gptq::new(*config)?.solve_with(weights, out, inp, h, ColumnLoop::Sequential)
+}
+
+/// The output of [`gptq_column_loop`], in the loop order of its input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ColumnLoopResult {
+    /// Codes, `[out, inp]`.
+    pub codes: Vec<u8>,
+    /// Group parameters, `[out, groups]` (row-major: all groups of row 0 first).
+    pub params: Vec<QuantParams>,
+    /// `Σ (w − q)²/(2·U[c,c]²)` per column, `[inp]`.
+    pub column_loss: Vec<f64>,
+    /// The error-updated weights after the loop, `[out, inp]`: column `c` holds the value it
+    /// was quantized from (later columns never write to it).
+    pub weights: Vec<f32>,
+}
+
+/// Only the textbook column loop of GPTQ, on an already prepared problem: `weights [out, inp]`
+/// in loop order and `upper [inp, inp]` (the upper Cholesky factor of the damped `H⁻¹` in the
+/// same order, e.g. from [`inverse_upper_textbook`]), dynamic groups of `group_size` columns.
+///
+/// The reference of the GPU kernels, which take the same prepared inputs (no dead-column,
+/// act-order or damping step here).
+pub fn gptq_column_loop(
+    weights: &[f32],
+    out: usize,
+    inp: usize,
+    upper: MatRef<'_, f32>,
+    quantizer: IntQuantizer,
+    group_size: usize,
+) -> Result<ColumnLoopResult, HessianError> {
+    crate::error::check_matrix("weights", weights.len(), out, inp)?;
+    if upper.nrows() != inp || upper.ncols() != inp {
+        return Err(HessianError::DimensionMismatch {
+            what: "upper factor vs weight columns",
+            left: upper.nrows(),
+            right: inp,
+        });
+    }
+    if group_size == 0 {
+        return Err(sala_formats::FormatError::ZeroGroupSize.into());
+    }
+    let problem = ColumnProblem {
+        quantizer,
+        out,
+        inp,
+        group_size: group_size.min(inp),
+        upper,
+        static_groups: None,
+    };
+    let mut updated = weights.to_vec();
+    let sol = sequential_loop(&problem, &mut updated);
+    Ok(ColumnLoopResult {
+        codes: sol.codes,
+        params: sol.params_rows,
+        column_loss: sol.column_loss,
+        weights: updated,
+    })
 }
 
 /// The column loop one column at a time: quantize column `c`, then subtract

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The whole GPU comparison in one command (H200: driver 580, CUDA 13 toolkit, torch cu130):
+#
+#   bash bench/run_h200.sh gpu/bench_gpu OUT_DIR [extra bench_gpu options...]
+#
+# 1. bench_gpu (our CUDA path + CPU checks) writes the inputs to OUT_DIR/data and its results
+#    to OUT_DIR/ours.json;
+# 2. bench/torch_gptq.py runs the PyTorch baselines on the same inputs -> OUT_DIR/torch.json;
+# 3. bench/compare.py prints the comparison -> OUT_DIR/comparison.json.
+# Every step's output is teed to OUT_DIR/<step>.log; a failing step does not stop the next
+# ones, and the script exits non-zero if any failed. Time limits per step (seconds) can be
+# changed with BENCH_TIMEOUT, TORCH_TIMEOUT; the defaults keep the run under 8 minutes.
+# PYTHON picks the interpreter (default python3).
+set -uo pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: $0 BENCH_GPU_BINARY OUT_DIR [bench_gpu options...]" >&2
+    exit 2
+fi
+BIN=$1
+OUT=$2
+shift 2
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+SUMMARY="$OUT/run.log"
+: > "$SUMMARY"
+
+# Libraries: the toolkit's first (cuBLAS/cuSOLVER/NVRTC 13), then those bundled with torch
+# (nvidia/*/lib), so that the binary finds a complete set either way.
+libdirs=()
+if [ -d /usr/local/cuda/lib64 ]; then
+    libdirs+=(/usr/local/cuda/lib64)
+fi
+while IFS= read -r dir; do
+    [ -n "$dir" ] && libdirs+=("$dir")
+done < <("$PY" - <<'EOF' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except Exception:
+    roots = []
+try:
+    import torch
+    roots.append(os.path.dirname(torch.__file__))
+except Exception:
+    pass
+seen = set()
+for root in roots:
+    for pattern in ("*/lib", "*/*/lib", "lib"):
+        for d in sorted(glob.glob(os.path.join(root, pattern))):
+            if os.path.isdir(d) and d not in seen:
+                seen.add(d)
+                print(d)
+EOF
+)
+LD_LIBRARY_PATH="$(IFS=:; echo "${libdirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
+# cubecl-cuda looks for the CUDA headers (NVRTC includes) under CUDA_PATH.
+if [ -z "${CUDA_PATH:-}" ] && [ -d /usr/local/cuda ]; then
+    export CUDA_PATH=/usr/local/cuda
+fi
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$SUMMARY"
+echo "CUDA_PATH=${CUDA_PATH:-}" | tee -a "$SUMMARY"
+
+status=0
+# step NAME TIMEOUT_S COMMAND...: runs COMMAND with a time limit, tees OUT/NAME.log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T)): $*" | tee -a "$SUMMARY"
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=$?
+    echo "== $name exit $rc after $((SECONDS - start)) s" | tee -a "$SUMMARY"
+    if [ $rc -ne 0 ]; then
+        status=1
+        [ $rc -eq 124 ] && echo "   ($name hit its ${limit} s limit)" | tee -a "$SUMMARY"
+    fi
+}
+
+if command -v nvidia-smi > /dev/null; then
+    step nvidia-smi 30 nvidia-smi
+fi
+step bench_gpu "${BENCH_TIMEOUT:-300}" "$BIN" --data "$OUT/data" --json "$OUT/ours.json" "$@"
+# TORCH_ARGS: extra torch_gptq.py options (word-split), e.g. "--reps 5".
+# shellcheck disable=SC2086
+step torch "${TORCH_TIMEOUT:-150}" "$PY" "$HERE/torch_gptq.py" \
+    --data "$OUT/data" --json "$OUT/torch.json" ${TORCH_ARGS:-}
+if [ -f "$OUT/ours.json" ] && [ -f "$OUT/torch.json" ]; then
+    step compare 60 "$PY" "$HERE/compare.py" "$OUT/ours.json" "$OUT/torch.json" \
+        --json "$OUT/comparison.json"
+else
+    echo "== compare skipped: ours.json or torch.json missing" | tee -a "$SUMMARY"
+    status=1
+fi
+echo "== done, status $status; logs in $OUT" | tee -a "$SUMMARY"
+exit $status

@@ -1,0 +1,306 @@
+//! cuBLAS on CubeCL buffers: [`CublasGemm`] (the [`Gemm`] trait) and [`xtx_bf16`].
+//!
+//! cuBLAS is column-major and our matrices are row-major. A row-major `r × c` buffer with
+//! row stride `s` *is* the column-major `c × r` matrix of its transpose with leading
+//! dimension `s`, so the row-major product `C = op(A)·op(B)` is computed as the column-major
+//! product `Cᵀ = op(B)ᵀ·op(A)ᵀ`: B is passed first, A second, the flags unchanged, and the
+//! roles of m and n swapped.
+
+use std::sync::Arc;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
+use cudarc::cublas::sys::{
+    self, cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+};
+
+use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
+use crate::device::MatrixView;
+use crate::error::KernelError;
+use crate::gemm::{check_gemm_shapes, Gemm};
+
+/// How cuBLAS may compute an FP32 product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp32Math {
+    /// Plain FP32 multiply-adds, no reduced-precision internals
+    /// (`CUBLAS_COMPUTE_32F_PEDANTIC`): what GPTQ's error propagation is specified with.
+    #[default]
+    Pedantic,
+    /// Inputs rounded to TF32 on the tensor cores, FP32 accumulation
+    /// (`CUBLAS_COMPUTE_32F_FAST_TF32`): faster, ~10-bit mantissas.
+    Tf32,
+}
+
+impl Fp32Math {
+    fn compute_type(self) -> cublasComputeType_t {
+        match self {
+            Fp32Math::Pedantic => cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            Fp32Math::Tf32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        }
+    }
+}
+
+/// A cuBLAS handle bound to its own stream on the device's primary context.
+#[derive(Debug)]
+pub struct Cublas {
+    lib: LibStream,
+    handle: sys::cublasHandle_t,
+}
+
+// SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
+// every call below takes `&self` and completes (stream synchronized) before returning, and
+// the handle is only destroyed in `drop`.
+unsafe impl Send for Cublas {}
+// SAFETY: see `Send`; concurrent calls from two threads would share the stream, which cuBLAS
+// allows (it serialises them on the stream).
+unsafe impl Sync for Cublas {}
+
+impl Cublas {
+    /// Loads cuBLAS (an error naming the missing library if it cannot be loaded) and creates
+    /// a handle on a new stream of device `ordinal` (0 for the first GPU, as CubeCL's
+    /// `CudaDevice::default()`).
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        libs::require("cublas", "CublasGemm, xtx_bf16")?;
+        guarded("cuBLAS handle", || {
+            let lib = LibStream::new(ordinal)?;
+            lib.bind()?;
+            let handle =
+                cudarc::cublas::result::create_handle().map_err(blas_error("cublasCreate"))?;
+            // SAFETY: `handle` was just created and the stream belongs to the same context.
+            unsafe {
+                cudarc::cublas::result::set_stream(handle, lib.stream().cu_stream() as _)
+                    .map_err(blas_error("cublasSetStream"))?;
+            }
+            Ok(Self { lib, handle })
+        })
+    }
+
+    /// Runs `f` (cuBLAS calls on this handle) after CubeCL's queued work, then waits for it.
+    fn run(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        what: &'static str,
+        f: impl FnOnce(sys::cublasHandle_t) -> Result<(), KernelError>,
+    ) -> Result<(), KernelError> {
+        sync_client(client)?;
+        self.lib.bind()?;
+        guarded(what, || f(self.handle))?;
+        self.lib.synchronize(what)
+    }
+}
+
+impl Drop for Cublas {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once; errors at teardown are ignored.
+        unsafe {
+            let _ = cudarc::cublas::result::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn blas_error(what: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) -> KernelError {
+    move |e| KernelError::Launch {
+        what,
+        message: format!("{e:?}"),
+    }
+}
+
+/// [`Gemm`] on cuBLAS: `c ← β·c + α·op(a)·op(b)` on row-major f32 windows of CubeCL buffers.
+#[derive(Debug, Clone)]
+pub struct CublasGemm {
+    blas: Arc<Cublas>,
+    math: Fp32Math,
+}
+
+impl CublasGemm {
+    /// A GEMM on `blas` with the given FP32 mode ([`Fp32Math::Pedantic`] by default).
+    pub fn new(blas: Arc<Cublas>, math: Fp32Math) -> Self {
+        Self { blas, math }
+    }
+
+    /// The FP32 mode.
+    pub fn math(&self) -> Fp32Math {
+        self.math
+    }
+}
+
+/// One column-major `cublasGemmEx` call: `c ← β·c + α·op(x1)·op(x2)`, `c` `m × n`.
+struct GemmExCall {
+    op1: cublasOperation_t,
+    op2: cublasOperation_t,
+    m: i32,
+    n: i32,
+    k: i32,
+    x1: (u64, i32, cudaDataType),
+    x2: (u64, i32, cudaDataType),
+    c: (u64, i32),
+    alpha: f32,
+    beta: f32,
+    compute: cublasComputeType_t,
+}
+
+impl GemmExCall {
+    fn launch(&self, handle: sys::cublasHandle_t) -> Result<(), KernelError> {
+        // SAFETY: the pointers come from live CubeCL buffers whose windows were checked
+        // against the operand shapes; alpha and beta are host scalars (cuBLAS's default
+        // pointer mode) and outlive the call, which completes before `run` returns.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                handle,
+                self.op1,
+                self.op2,
+                self.m,
+                self.n,
+                self.k,
+                (&self.alpha as *const f32).cast(),
+                self.x1.0 as *const _,
+                self.x1.2,
+                self.x1.1,
+                self.x2.0 as *const _,
+                self.x2.2,
+                self.x2.1,
+                (&self.beta as *const f32).cast(),
+                self.c.0 as *mut _,
+                cudaDataType::CUDA_R_32F,
+                self.c.1,
+                self.compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_error("cublasGemmEx"))
+    }
+}
+
+fn op(trans: bool) -> cublasOperation_t {
+    if trans {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// A leading dimension: the row stride, at least 1 (cuBLAS rejects 0 even for empty
+/// operands).
+fn ld(view: &MatrixView) -> Result<i32, KernelError> {
+    dim_i32("leading dimension", view.row_stride.max(1))
+}
+
+impl Gemm<CudaRuntime> for CublasGemm {
+    fn gemm(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        alpha: f32,
+        a: &MatrixView,
+        trans_a: bool,
+        b: &MatrixView,
+        trans_b: bool,
+        beta: f32,
+        c: &MatrixView,
+    ) -> Result<(), KernelError> {
+        let (m, n, k) = check_gemm_shapes(a, trans_a, b, trans_b, c)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let call = GemmExCall {
+            op1: op(trans_b),
+            op2: op(trans_a),
+            m: dim_i32("gemm n", n)?,
+            n: dim_i32("gemm m", m)?,
+            k: dim_i32("gemm k", k)?,
+            x1: (device_ptr(client, b)?, ld(b)?, cudaDataType::CUDA_R_32F),
+            x2: (device_ptr(client, a)?, ld(a)?, cudaDataType::CUDA_R_32F),
+            c: (device_ptr(client, c)?, ld(c)?),
+            alpha,
+            beta,
+            compute: self.math.compute_type(),
+        };
+        self.blas
+            .run(client, "cublasGemmEx (f32)", |h| call.launch(h))
+    }
+}
+
+/// A dense row-major bf16 matrix in a CubeCL buffer (bf16 values as little-endian `u16`s).
+#[derive(Debug, Clone)]
+pub struct Bf16Matrix {
+    /// The buffer (`rows · cols · 2` bytes at least).
+    pub handle: Handle,
+    /// Rows.
+    pub rows: usize,
+    /// Columns (= the row stride).
+    pub cols: usize,
+}
+
+impl Bf16Matrix {
+    /// Uploads bf16 bit patterns (`u16`, row-major `[rows, cols]`).
+    pub fn upload(
+        client: &ComputeClient<CudaRuntime>,
+        bits: &[u16],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
+        if bits.len() != rows * cols {
+            return Err(KernelError::shape(
+                "bf16 upload",
+                format!("{} values for a {rows}×{cols} matrix", bits.len()),
+            ));
+        }
+        let bytes: Vec<u8> = bits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok(Self {
+            handle: client.create_from_slice(&bytes),
+            rows,
+            cols,
+        })
+    }
+}
+
+/// `h ← alpha·XᵀX + beta·h`: the Hessian of bf16 activations `x` `[tokens, dim]` into the f32
+/// window `h` `[dim, dim]`, by one `cublasGemmEx` (bf16 inputs, f32 output, f32 compute:
+/// products of bf16 values are exact in f32, so only the summation order differs from an
+/// f32 reference). `alpha = 1/tokens, beta = 0` gives the per-token-normalized Hessian.
+pub fn xtx_bf16(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    x: &Bf16Matrix,
+    h: &MatrixView,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    h.check("xtx h")?;
+    let (tokens, dim) = (x.rows, x.cols);
+    if h.rows != dim || h.cols != dim {
+        return Err(KernelError::shape(
+            "xtx",
+            format!("x is {tokens}×{dim}, h is {}×{}", h.rows, h.cols),
+        ));
+    }
+    let bytes = x.handle.size_in_used() as usize;
+    if bytes < tokens * dim * 2 {
+        return Err(KernelError::shape(
+            "xtx x",
+            format!("{bytes} bytes for a {tokens}×{dim} bf16 matrix"),
+        ));
+    }
+    if dim == 0 {
+        return Ok(());
+    }
+    // Row-major X is column-major Y = Xᵀ (dim × tokens, ld dim); XᵀX = Y·Yᵀ is symmetric, so
+    // its column-major result is also the row-major one.
+    let x_ptr = handle_ptr(client, &x.handle)?;
+    let call = GemmExCall {
+        op1: cublasOperation_t::CUBLAS_OP_N,
+        op2: cublasOperation_t::CUBLAS_OP_T,
+        m: dim_i32("xtx dim", dim)?,
+        n: dim_i32("xtx dim", dim)?,
+        k: dim_i32("xtx tokens", tokens)?,
+        x1: (x_ptr, dim_i32("xtx dim", dim)?, cudaDataType::CUDA_R_16BF),
+        x2: (x_ptr, dim_i32("xtx dim", dim)?, cudaDataType::CUDA_R_16BF),
+        c: (device_ptr(client, h)?, ld(h)?),
+        alpha,
+        beta,
+        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    blas.run(client, "cublasGemmEx (bf16 XᵀX)", |handle| {
+        call.launch(handle)
+    })
+}

@@ -1,0 +1,147 @@
+//! CUDA-only glue to NVIDIA's libraries, on the buffers of CubeCL's CUDA runtime:
+//!
+//! - [`CublasGemm`]: the [`Gemm`](crate::Gemm) trait on cuBLAS (FP32 SGEMM through
+//!   `cublasGemmEx`, pedantic FP32 by default, TF32 on request);
+//! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian);
+//! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
+//!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with.
+//!
+//! CubeCL's CUDA runtime retains the device's *primary* context, and so does
+//! [`cudarc::driver::CudaContext::new`]: both see one address space, so the device pointer of
+//! a CubeCL buffer ([`device_ptr`]) can be handed to cuBLAS. CubeCL runs its kernels on its
+//! own streams, the libraries here on a stream of their own; every call therefore waits for
+//! CubeCL's queued work first ([`sync_client`]) and synchronizes its stream before it returns,
+//! so work is ordered whatever runs next.
+//!
+//! The libraries are loaded at run time (cudarc's dynamic loading): [`library_report`] says
+//! which ones load and why the others do not (the dynamic loader's message names a missing
+//! dependency such as `libnvJitLink`), and the constructors fail with that report instead of
+//! panicking at the first call.
+
+mod blas;
+mod libs;
+mod solver;
+
+pub use blas::{xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math};
+pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
+pub use solver::{
+    inverse_upper_cusolver, inverse_upper_cusolver_timed, reverse_matrix, Cusolver, InverseTimings,
+};
+
+use std::sync::Arc;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::device::MatrixView;
+use crate::error::KernelError;
+
+/// Bytes of one f32.
+const F32_BYTES: u64 = 4;
+
+/// The device address of byte 0 of `handle` (its own offsets applied), as cuBLAS takes it.
+///
+/// The pointer stays valid while `handle` (or a clone of it) is alive: the caller keeps the
+/// buffer alive for as long as a library uses the pointer.
+pub fn handle_ptr(
+    client: &ComputeClient<CudaRuntime>,
+    handle: &Handle,
+) -> Result<u64, KernelError> {
+    let resource = client
+        .get_resource(handle.clone())
+        .map_err(|e| KernelError::Launch {
+            what: "device pointer (get_resource)",
+            message: format!("{e:?}"),
+        })?;
+    // `GpuResource::ptr` already includes the storage offset and the handle's offset_start.
+    Ok(resource.resource().ptr)
+}
+
+/// The device address of element `(0, 0)` of `view`: the buffer's address plus
+/// `view.offset · 4` bytes. The window is checked against its buffer first.
+pub fn device_ptr(
+    client: &ComputeClient<CudaRuntime>,
+    view: &MatrixView,
+) -> Result<u64, KernelError> {
+    view.check("device pointer")?;
+    Ok(handle_ptr(client, &view.handle)? + view.offset as u64 * F32_BYTES)
+}
+
+/// Waits until every kernel and copy CubeCL queued on the calling thread's stream is done
+/// (including the stream-ordered allocations behind pointers taken with [`device_ptr`]).
+pub fn sync_client(client: &ComputeClient<CudaRuntime>) -> Result<(), KernelError> {
+    cubecl::future::block_on(client.sync()).map_err(|e| KernelError::Launch {
+        what: "cubecl sync",
+        message: format!("{e:?}"),
+    })
+}
+
+/// A context handle on the device's primary context and one non-blocking stream, shared by
+/// the cuBLAS and cuSOLVER wrappers.
+#[derive(Debug)]
+pub(crate) struct LibStream {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl LibStream {
+    /// Retains the primary context of device `ordinal` (CubeCL's) and creates a stream.
+    pub(crate) fn new(ordinal: usize) -> Result<Self, KernelError> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("CUDA context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("CUDA stream", e))?;
+        Ok(Self { ctx, stream })
+    }
+
+    /// Makes the context current on the calling thread (CubeCL may have run on another).
+    pub(crate) fn bind(&self) -> Result<(), KernelError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("binding the CUDA context", e))
+    }
+
+    /// Blocks until the stream's work is done.
+    pub(crate) fn synchronize(&self, what: &'static str) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(|e| driver_error(what, e))
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+fn driver_error(what: &'static str, e: cudarc::driver::DriverError) -> KernelError {
+    KernelError::Launch {
+        what,
+        message: format!("{e:?}"),
+    }
+}
+
+/// Runs a library call, turning a panic (cudarc panics when a library or a symbol cannot be
+/// loaded) into a [`KernelError::Launch`].
+pub(crate) fn guarded<T>(
+    what: &'static str,
+    f: impl FnOnce() -> Result<T, KernelError>,
+) -> Result<T, KernelError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic without a message".into());
+        Err(KernelError::Launch { what, message })
+    })
+}
+
+/// A dimension as the `i32` the legacy cuBLAS/cuSOLVER interfaces take.
+pub(crate) fn dim_i32(what: &'static str, value: usize) -> Result<i32, KernelError> {
+    i32::try_from(value).map_err(|_| {
+        KernelError::unsupported(
+            what,
+            format!("{value} does not fit a 32-bit BLAS dimension"),
+        )
+    })
+}

@@ -1,0 +1,346 @@
+//! The upper Cholesky factor of `H⁻¹` on cuSOLVER, in two `n³/3` passes.
+//!
+//! With `P` the reversal permutation, factor `H' = P·H·P = L·Lᵀ` and set `U = P·L⁻¹·P`. Then
+//! `H = (P·L·P)(P·L·P)ᵀ`, `P·L·P` is upper triangular, `U = (P·L·P)⁻¹` is upper triangular
+//! with a positive diagonal, and `Uᵀ·U = (P·L·P)⁻ᵀ(P·L·P)⁻¹ = H⁻¹`: `U` is *the* upper
+//! Cholesky factor of `H⁻¹` (unique), the one IST-DASLab gets in three passes
+//! (`chol(cholesky_inverse(chol(H)), upper)`) and `sala_hessian::CholeskyInverse` in two.
+//!
+//! Layout: for a row-major buffer, `P·M·P` is the buffer reversed (element `k` ↔ `n²−1−k`).
+//! cuSOLVER reads the buffer as column-major, i.e. as the transpose. Factoring the reversed
+//! `H'` (symmetric) with `uplo = UPPER` gives `H' = RᵀR` with `R` upper in column-major terms;
+//! the row-major reading of that triangle is `Rᵀ = L`, lower, with `H' = L·Lᵀ`. Inverting it
+//! in place (`trtri`, `UPPER`) leaves `R⁻¹`, whose row-major reading is `L⁻¹` (lower). Reversing
+//! the buffer once more gives row-major `U = P·L⁻¹·P`; the other triangle of the buffer holds
+//! what cuSOLVER did not touch (the reversed input), so the strict lower triangle of the result
+//! is set to zero in the same pass.
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
+
+use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
+use crate::device::{array_arg, DeviceVec, MatrixView};
+use crate::error::KernelError;
+use crate::launch::elementwise;
+
+/// A cuSOLVER dense handle bound to its own stream on the device's primary context.
+#[derive(Debug)]
+pub struct Cusolver {
+    lib: LibStream,
+    handle: sys::cusolverDnHandle_t,
+}
+
+// SAFETY: as for `Cublas`: calls take `&self` and finish before returning; the handle is
+// destroyed only in `drop`.
+unsafe impl Send for Cusolver {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Cusolver {}
+
+impl Cusolver {
+    /// Loads cuSOLVER (an error naming the missing library or dependency if it cannot be
+    /// loaded) and creates a handle on a new stream of device `ordinal`.
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        libs::require("cusolver", "inverse_upper_cusolver")?;
+        guarded("cuSOLVER handle", || {
+            let lib = LibStream::new(ordinal)?;
+            lib.bind()?;
+            let handle =
+                cudarc::cusolver::result::dn_create().map_err(solver_error("cusolverDnCreate"))?;
+            // SAFETY: the handle was just created; the stream belongs to the same context.
+            unsafe {
+                cudarc::cusolver::result::dn_set_stream(handle, lib.stream().cu_stream() as _)
+                    .map_err(solver_error("cusolverDnSetStream"))?;
+            }
+            Ok(Self { lib, handle })
+        })
+    }
+}
+
+impl Drop for Cusolver {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once; errors at teardown are ignored.
+        unsafe {
+            let _ = cudarc::cusolver::result::dn_destroy(self.handle);
+        }
+    }
+}
+
+fn solver_error(
+    what: &'static str,
+) -> impl Fn(cudarc::cusolver::result::CusolverError) -> KernelError {
+    move |e| KernelError::Launch {
+        what,
+        message: format!("{e:?}"),
+    }
+}
+
+/// `U`, the upper Cholesky factor of `H⁻¹` (`Uᵀ·U = H⁻¹`, strict lower triangle zero), as a
+/// new dense `n × n` f32 matrix, from the symmetric positive definite `h` `n × n` (damping
+/// already added; only its values are read, the window is left unchanged).
+///
+/// One `potrf` and one `trtri` (f32) on the reversed matrix, see the module docs. A matrix
+/// that is not positive definite gives an error naming the first failing column in `h`'s
+/// order. The factor is not scanned for overflow (a near-singular `h` can give huge values):
+/// callers compare it with a reference or check the GPTQ loss.
+pub fn inverse_upper_cusolver(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    h: &MatrixView,
+) -> Result<MatrixView, KernelError> {
+    inverse_upper_cusolver_timed(client, solver, h).map(|(u, _)| u)
+}
+
+/// Wall-clock seconds of the phases of one [`inverse_upper_cusolver_timed`] call (each phase
+/// ends with a synchronization, so the times do not overlap).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct InverseTimings {
+    /// Reversing `h` into the work buffer, workspace query and allocation.
+    pub prepare_s: f64,
+    /// The Cholesky factorization (`potrf`) and the read of its `info`.
+    pub potrf_s: f64,
+    /// The triangular inverse (`trtri`) and the read of its `info`.
+    pub trtri_s: f64,
+    /// Reversing the result back and zeroing its lower triangle.
+    pub finish_s: f64,
+}
+
+/// [`inverse_upper_cusolver`], also returning how long each phase took.
+pub fn inverse_upper_cusolver_timed(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    h: &MatrixView,
+) -> Result<(MatrixView, InverseTimings), KernelError> {
+    let mut timings = InverseTimings::default();
+    let mut clock = std::time::Instant::now();
+    let mut lap = || {
+        let now = std::time::Instant::now();
+        let seconds = now.duration_since(clock).as_secs_f64();
+        clock = now;
+        seconds
+    };
+    h.check("inverse h")?;
+    let n = h.rows;
+    if h.cols != n {
+        return Err(KernelError::shape(
+            "inverse",
+            format!("h is {}×{}, not square", h.rows, h.cols),
+        ));
+    }
+    if n == 0 {
+        return Ok((MatrixView::zeros(client, 0, 0), timings));
+    }
+    let n_i32 = dim_i32("inverse n", n)?;
+    let work = reverse_matrix(client, h, false)?;
+    let info = DeviceVec::<u32>::zeros(client, 1);
+    let work_ptr = device_ptr(client, &work)?;
+    let info_ptr = handle_ptr(client, &info.handle)?;
+    sync_client(client)?;
+    solver.lib.bind()?;
+
+    // potrf (column-major UPPER on the reversed matrix).
+    let mut lwork: i32 = 0;
+    guarded("cusolverDnSpotrf_bufferSize", || {
+        // SAFETY: `work_ptr` addresses n·n f32 of a live buffer, lda = n.
+        unsafe {
+            sys::cusolverDnSpotrf_bufferSize(
+                solver.handle,
+                cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                n_i32,
+                work_ptr as *mut f32,
+                n_i32,
+                &mut lwork,
+            )
+        }
+        .result()
+        .map_err(solver_error("cusolverDnSpotrf_bufferSize"))
+    })?;
+    let workspace = client.empty((lwork.max(1) as usize) * 4);
+    let workspace_ptr = handle_ptr(client, &workspace)?;
+    sync_client(client)?;
+    solver.lib.bind()?;
+    timings.prepare_s = lap();
+    guarded("cusolverDnSpotrf", || {
+        // SAFETY: as above; the workspace holds `lwork` f32 and `info` one i32.
+        unsafe {
+            sys::cusolverDnSpotrf(
+                solver.handle,
+                cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                n_i32,
+                work_ptr as *mut f32,
+                n_i32,
+                workspace_ptr as *mut f32,
+                lwork,
+                info_ptr as *mut i32,
+            )
+        }
+        .result()
+        .map_err(solver_error("cusolverDnSpotrf"))
+    })?;
+    solver.lib.synchronize("cusolverDnSpotrf")?;
+    let potrf_info = read_info(client, &info)?;
+    if potrf_info > 0 {
+        // The leading minor of order `potrf_info` of the reversed matrix failed: its last
+        // column is column `n − potrf_info` of `h`.
+        let column = n - potrf_info as usize;
+        return Err(KernelError::unsupported(
+            "cholesky (H not positive definite)",
+            format!(
+                "potrf: the leading minor of order {potrf_info} of the reversed H is not \
+                 positive definite; first failing column of H: {column} (more damping needed)"
+            ),
+        ));
+    }
+    check_info("cusolverDnSpotrf", potrf_info)?;
+    drop(workspace);
+    timings.potrf_s = lap();
+
+    // trtri (column-major UPPER, non-unit diagonal), in place.
+    let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
+    guarded("cusolverDnXtrtri_bufferSize", || {
+        // SAFETY: as above; the sizes are written to two host integers.
+        unsafe {
+            sys::cusolverDnXtrtri_bufferSize(
+                solver.handle,
+                cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                n as i64,
+                cudaDataType::CUDA_R_32F,
+                work_ptr as *mut _,
+                n as i64,
+                &mut dev_bytes,
+                &mut host_bytes,
+            )
+        }
+        .result()
+        .map_err(solver_error("cusolverDnXtrtri_bufferSize"))
+    })?;
+    let dev_workspace = client.empty(dev_bytes.max(4));
+    let dev_workspace_ptr = handle_ptr(client, &dev_workspace)?;
+    let mut host_workspace = vec![0u8; host_bytes.max(1)];
+    sync_client(client)?;
+    solver.lib.bind()?;
+    guarded("cusolverDnXtrtri", || {
+        // SAFETY: the device workspace holds `dev_bytes`, the host one `host_bytes`; the
+        // host buffer outlives the call, whose stream is synchronized right after.
+        unsafe {
+            sys::cusolverDnXtrtri(
+                solver.handle,
+                cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                n as i64,
+                cudaDataType::CUDA_R_32F,
+                work_ptr as *mut _,
+                n as i64,
+                dev_workspace_ptr as *mut _,
+                dev_bytes,
+                host_workspace.as_mut_ptr().cast(),
+                host_bytes,
+                info_ptr as *mut i32,
+            )
+        }
+        .result()
+        .map_err(solver_error("cusolverDnXtrtri"))
+    })?;
+    solver.lib.synchronize("cusolverDnXtrtri")?;
+    let trtri_info = read_info(client, &info)?;
+    if trtri_info > 0 {
+        return Err(KernelError::unsupported(
+            "triangular inverse",
+            format!("trtri: zero diagonal at position {trtri_info} of the factor"),
+        ));
+    }
+    check_info("cusolverDnXtrtri", trtri_info)?;
+    drop(dev_workspace);
+    timings.trtri_s = lap();
+    let u = reverse_matrix(client, &work, true)?;
+    sync_client(client)?;
+    timings.finish_s = lap();
+    Ok((u, timings))
+}
+
+/// The `info` integer cuSOLVER wrote.
+fn read_info(
+    client: &ComputeClient<CudaRuntime>,
+    info: &DeviceVec<u32>,
+) -> Result<i32, KernelError> {
+    let values = info.download(client)?;
+    Ok(values.first().copied().unwrap_or(0) as i32)
+}
+
+/// A negative `info` is an invalid argument (a bug here, not bad input).
+fn check_info(what: &'static str, info: i32) -> Result<(), KernelError> {
+    if info < 0 {
+        return Err(KernelError::Launch {
+            what,
+            message: format!("parameter {} had an illegal value", -info),
+        });
+    }
+    Ok(())
+}
+
+/// `P·M·P` of a square window `m` (`out[i, j] = m[n−1−i, n−1−j]`) as a new dense matrix; with
+/// `upper_only`, the strict lower triangle of the result is set to zero instead.
+pub fn reverse_matrix<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: &MatrixView,
+    upper_only: bool,
+) -> Result<MatrixView, KernelError> {
+    m.check("reverse")?;
+    if m.rows != m.cols {
+        return Err(KernelError::shape(
+            "reverse",
+            format!("{}×{} is not square", m.rows, m.cols),
+        ));
+    }
+    let n = m.rows;
+    let out = client.empty((n * n).max(1) * size_of::<f32>());
+    if n > 0 {
+        let (count, dim) = elementwise(client, n * n)?;
+        reverse_kernel::launch::<R>(
+            client,
+            count,
+            dim,
+            array_arg(&m.handle),
+            array_arg(&out),
+            m.offset,
+            m.row_stride,
+            n,
+            upper_only,
+        );
+    }
+    Ok(MatrixView {
+        handle: out,
+        offset: 0,
+        rows: n,
+        cols: n,
+        row_stride: n,
+    })
+}
+
+/// `dst[i·n + j] = src[offset + (n−1−i)·stride + (n−1−j)]` (0 below the diagonal when
+/// `upper_only`), one unit per element.
+#[cube(launch)]
+fn reverse_kernel(
+    src: &Array<f32>,
+    dst: &mut Array<f32>,
+    offset: usize,
+    row_stride: usize,
+    n: usize,
+    #[comptime] upper_only: bool,
+) {
+    let idx = ABSOLUTE_POS;
+    if idx < n * n {
+        let (i, j) = (idx / n, idx % n);
+        let value = src[offset + (n - 1 - i) * row_stride + (n - 1 - j)];
+        if upper_only {
+            if i > j {
+                dst[idx] = 0.0;
+            } else {
+                dst[idx] = value;
+            }
+        } else {
+            dst[idx] = value;
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! Launch geometry shared by the kernels: how many cubes of how many units cover `n` work
+//! items within the device's limits.
+
+use cubecl::prelude::{ComputeClient, CubeCount, CubeDim};
+use cubecl::Runtime;
+
+use crate::error::KernelError;
+
+/// Units per cube of the elementwise kernels (a multiple of every plane size).
+pub(crate) const UNITS_PER_CUBE: u32 = 256;
+
+/// Kernels index with 32-bit integers on every runtime (CubeCL's default address type).
+const MAX_INDEX: usize = u32::MAX as usize;
+
+/// Cubes of [`UNITS_PER_CUBE`] units covering `n` items (each unit checks `ABSOLUTE_POS < n`),
+/// spread over x and y when x alone would exceed the device's cube-count limit.
+pub(crate) fn elementwise<R: Runtime>(
+    client: &ComputeClient<R>,
+    n: usize,
+) -> Result<(CubeCount, CubeDim), KernelError> {
+    let units = UNITS_PER_CUBE.min(client.properties().hardware.max_units_per_cube);
+    let count = cube_count(client, n.div_ceil(units as usize))?;
+    Ok((count, CubeDim::new_1d(units)))
+}
+
+/// `cubes` cubes laid out as `x × y` with `x` within the device limit (a few idle cubes at
+/// the end when `cubes` does not factor).
+pub(crate) fn cube_count<R: Runtime>(
+    client: &ComputeClient<R>,
+    cubes: usize,
+) -> Result<CubeCount, KernelError> {
+    check_addressable("work items", cubes.saturating_mul(UNITS_PER_CUBE as usize))?;
+    let (max_x, max_y, _) = client.properties().hardware.max_cube_count;
+    let max_x = (max_x as usize).max(1);
+    let x = cubes.clamp(1, max_x);
+    let y = cubes.div_ceil(x).max(1);
+    if y > max_y as usize {
+        return Err(KernelError::unsupported(
+            "launch size",
+            format!("{cubes} cubes exceed the device's {max_x}×{max_y} grid"),
+        ));
+    }
+    Ok(CubeCount::Static(x as u32, y as u32, 1))
+}
+
+/// Errors when an index would not fit the kernels' 32-bit addressing.
+pub(crate) fn check_addressable(what: &'static str, n: usize) -> Result<(), KernelError> {
+    if n > MAX_INDEX {
+        return Err(KernelError::unsupported(
+            what,
+            format!("{n} elements exceed 32-bit kernel indexing"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,202 @@
+//! The NVFP4 block-scale search against `reference::nvfp4_block_search_naive`: block scales
+//! and codes byte for byte, errors to 1e-5.
+
+use sala_formats::nvfp4::global_scale_from_amax;
+use sala_hessian::reference::nvfp4_block_search_naive;
+use sala_hessian::{HessianError, Nvfp4BlockSearch, Nvfp4SearchResult};
+use sala_kernels::{nvfp4_block_search, KernelError, MatrixView};
+
+use crate::common::{client, Rng};
+
+/// A `rows × cols` weight of normal values with special blocks: all zeros, negative zeros,
+/// tiny values of both signs, one huge value, E2M1 midpoints of a power-of-two divisor.
+fn special_weight(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
+    let blocks = rows * cols / 16;
+    for (k, b) in (0..blocks).step_by(7).enumerate() {
+        let span = b * 16..(b + 1) * 16;
+        match k % 6 {
+            0 => w[span].fill(0.0),
+            1 => w[span].fill(-0.0),
+            2 => {
+                for (j, v) in w[span].iter_mut().enumerate() {
+                    *v = if j % 2 == 0 { 1e-30 } else { -3e-31 };
+                }
+            }
+            3 => w[span.start + 5] = 40.0,
+            4 => {
+                // Midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 times 1/64 (and their negatives),
+                // with amax 6/64: max calibration's divisor is exactly a power of two.
+                let mids = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0];
+                for (j, v) in w[span].iter_mut().enumerate() {
+                    let m = mids[j % 8] / 64.0;
+                    *v = if j < 8 { m } else { -m };
+                }
+            }
+            _ => {
+                for v in &mut w[span] {
+                    *v *= 1e-3;
+                }
+            }
+        }
+    }
+    w
+}
+
+fn diag(rng: &mut Rng, cols: usize) -> Vec<f32> {
+    (0..cols)
+        .map(|j| {
+            if j % 13 == 0 {
+                0.0
+            } else {
+                2.0 * rng.uniform()
+            }
+        })
+        .collect()
+}
+
+fn run(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    diag_h: &[f32],
+    global: f32,
+    search: &Nvfp4BlockSearch,
+) -> (Nvfp4SearchResult, Nvfp4SearchResult) {
+    let client = client();
+    let view = MatrixView::upload(&client, w, rows, cols).unwrap();
+    let gpu = nvfp4_block_search(&client, &view, diag_h, global, search)
+        .unwrap()
+        .download(&client)
+        .unwrap();
+    let cpu = nvfp4_block_search_naive(search, w, rows, cols, diag_h, global).unwrap();
+    (gpu, cpu)
+}
+
+fn assert_errors_close(gpu: &Nvfp4SearchResult, cpu: &Nvfp4SearchResult, tol: f32) {
+    for (b, (&g, &c)) in gpu.block_error.iter().zip(&cpu.block_error).enumerate() {
+        assert!(
+            (g - c).abs() <= tol * c.abs().max(1e-30),
+            "block {b}: error {g} vs {c}"
+        );
+    }
+}
+
+#[test]
+fn block_scales_and_codes_equal_the_reference_for_p_2() {
+    let mut rng = Rng::new(21);
+    let (rows, cols) = (64, 256);
+    let w = special_weight(&mut rng, rows, cols);
+    let diag_h = diag(&mut rng, cols);
+    let amax = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    // The tensor's own global scale, and a 50× smaller one so that large blocks saturate at 448.
+    for global in [
+        global_scale_from_amax(amax).unwrap(),
+        amax / 2688.0 / 50.0,
+        1.0 / 256.0,
+    ] {
+        let (gpu, cpu) = run(
+            &w,
+            rows,
+            cols,
+            &diag_h,
+            global,
+            &Nvfp4BlockSearch::default(),
+        );
+        assert_eq!(gpu.block_scales, cpu.block_scales, "global {global}");
+        assert_eq!(gpu.codes, cpu.codes, "global {global}");
+        assert_eq!(gpu.dequantized, cpu.dequantized, "global {global}");
+        assert_errors_close(&gpu, &cpu, 1e-5);
+    }
+}
+
+#[test]
+fn a_zero_diagonal_and_a_single_candidate_match_too() {
+    let mut rng = Rng::new(5);
+    let (rows, cols) = (16, 64);
+    let w = special_weight(&mut rng, rows, cols);
+    let global = global_scale_from_amax(4.0).unwrap();
+    for search in [
+        Nvfp4BlockSearch {
+            iters: 1,
+            ..Default::default()
+        },
+        Nvfp4BlockSearch {
+            iters: 37,
+            max_shrink: 0.3,
+            error_norm: 2.0,
+        },
+    ] {
+        let (gpu, cpu) = run(&w, rows, cols, &vec![0.0; cols], global, &search);
+        assert_eq!(gpu.block_scales, cpu.block_scales, "{search:?}");
+        assert_eq!(gpu.codes, cpu.codes, "{search:?}");
+        assert_errors_close(&gpu, &cpu, 1e-5);
+    }
+}
+
+/// `p ≠ 2` goes through `powf`, whose last bits differ between libm and a GPU: a different
+/// byte is only allowed where the two errors tie to 1e-5, and must be rare.
+#[test]
+fn other_error_norms_agree_up_to_near_ties() {
+    let mut rng = Rng::new(8);
+    let (rows, cols) = (64, 256);
+    let w = special_weight(&mut rng, rows, cols);
+    let diag_h = diag(&mut rng, cols);
+    let global = global_scale_from_amax(w.iter().fold(0.0f32, |m, v| m.max(v.abs()))).unwrap();
+    for p in [1.0f32, 1.5, 3.0] {
+        let search = Nvfp4BlockSearch {
+            error_norm: p,
+            ..Default::default()
+        };
+        let (gpu, cpu) = run(&w, rows, cols, &diag_h, global, &search);
+        assert_errors_close(&gpu, &cpu, 1e-5);
+        let flips = gpu
+            .block_scales
+            .iter()
+            .zip(&cpu.block_scales)
+            .filter(|(g, c)| g != c)
+            .count();
+        assert!(
+            flips * 100 <= gpu.block_scales.len(),
+            "p {p}: {flips} different scales"
+        );
+    }
+}
+
+#[test]
+fn non_finite_weights_and_bad_inputs_are_errors() {
+    let client = client();
+    let mut w = vec![0.5f32; 4 * 32];
+    w[2 * 32 + 20] = f32::NAN;
+    let view = MatrixView::upload(&client, &w, 4, 32).unwrap();
+    let search = Nvfp4BlockSearch::default();
+    let err = nvfp4_block_search(&client, &view, &[1.0; 32], 0.01, &search)
+        .unwrap()
+        .download(&client)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KernelError::Hessian(HessianError::NonFinite {
+                row: 2,
+                col: 16,
+                ..
+            })
+        ),
+        "{err}"
+    );
+    for (diag_h, global) in [
+        (vec![1.0; 31], 0.01),
+        (vec![-1.0; 32], 0.01),
+        (vec![1.0; 32], 0.0),
+    ] {
+        assert!(nvfp4_block_search(&client, &view, &diag_h, global, &search).is_err());
+    }
+    let narrow = view.window(0, 0, 4, 24).unwrap();
+    assert!(nvfp4_block_search(&client, &narrow, &[1.0; 24], 0.01, &search).is_err());
+    let bad = Nvfp4BlockSearch {
+        iters: 0,
+        ..Default::default()
+    };
+    assert!(nvfp4_block_search(&client, &view, &[1.0; 32], 0.01, &bad).is_err());
+}

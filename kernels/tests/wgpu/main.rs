@@ -1,0 +1,12 @@
+//! The kernels against their CPU references, on CubeCL's wgpu runtime (lavapipe in CI), or
+//! on CUDA when the `cuda` feature is on.
+//!
+//! One test binary (one link) for every kernel; small matrices so that the whole suite runs
+//! in seconds on a software Vulkan driver.
+
+mod block_search;
+mod common;
+mod flip;
+mod gemm;
+mod gptq;
+mod hessian;
