@@ -1,12 +1,21 @@
 //! Quantizes a MiniCPM-SALA (or Llama) model directory with the GPTQ W4A16 or the NVFP4 recipe.
 //!
-//! With no arguments it quantizes the bundled `fixtures/tiny-sala` with the bundled calibration
-//! set into `target/quantized/tiny-sala-<recipe>`, prints the report and verifies the output:
+//! With no arguments it quantizes the bundled `fixtures/tiny-sala-trained` with the bundled
+//! calibration set into `target/quantized/tiny-sala-trained-<recipe>`, prints the report and
+//! verifies the output:
 //!
 //! ```sh
 //! cargo run --release --example quantize_sala
 //! cargo run --release --example quantize_sala -- --recipe nvfp4
 //! cargo run --release --example quantize_sala -- --plan-only
+//! ```
+//!
+//! On an NVIDIA GPU (bf16 on burn-cuda; hidden states and Hessians stay on the device when
+//! they fit `--max-device-memory`; the solvers still run on the host):
+//!
+//! ```sh
+//! cargo build --release --features cuda --example quantize_sala
+//! target/release/examples/quantize_sala --device cuda --input MODEL_DIR --output OUT_DIR
 //! ```
 
 use clap::Parser;

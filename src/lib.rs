@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
+pub mod device;
 pub mod quantize_cli;
+pub mod synthetic_cli;
 
 /// The repository's `fixtures/` directory (bundled tiny models, calibration and held-out text).
 ///

@@ -2,6 +2,8 @@
 //! library so that its error paths are tested (`tests/quantize_cli.rs`); the example binary only
 //! parses and prints.
 
+use crate::device::{dispatch, DeviceArg, DeviceJob};
+use burn::tensor::backend::Backend;
 use clap::{Parser, ValueEnum};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use regex::Regex;
@@ -9,17 +11,18 @@ use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
 use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, Numerics, SalaConfig};
 use sala_gptq::{
-    CpuBackend, LayerBits, Nvfp4Coverage, Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe,
-    Sample, Stage,
+    LayerBits, LayerReport, MemoryProbe, Nvfp4Coverage, Pipeline, Progress, QuantPlan,
+    QuantizeOptions, Recipe, Report, Sample, Stage,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
 #[command(
     about = "Quantize MiniCPM-SALA (GPTQ W4A16 or NVFP4) into a checkpoint SGLang and vLLM serve"
 )]
 pub struct Args {
-    /// Model directory (config.json, safetensors, tokenizer.json). Default: the bundled tiny SALA.
+    /// Model directory (config.json, safetensors, tokenizer.json). Default: the bundled trained
+    /// tiny SALA, fixtures/tiny-sala-trained (fixtures/tiny-sala has random weights).
     #[arg(long)]
     input: Option<PathBuf>,
     /// Output directory (must not exist unless --overwrite). Default: target/quantized/<model>-<recipe>.
@@ -112,6 +115,18 @@ pub struct Args {
     /// Run in f32 without the bf16 roundings of the reference model.
     #[arg(long)]
     f32: bool,
+    /// Where the model runs: `cpu` (ndarray, f32 with bf16 rounding) or `cuda` (burn-cuda, bf16
+    /// storage; needs a binary built with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// Device memory for hidden states with `--device cuda`, in MB; beyond it they stay on the
+    /// host (see --max-host-memory).
+    #[arg(long, default_value_t = 64_000)]
+    max_device_memory: u64,
+    /// With `--device cuda`: accumulate Hessians / statistics on the host in f64 instead of on
+    /// the device (slower; names a sample whose activations overflow).
+    #[arg(long)]
+    host_statistics: bool,
     /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
     #[arg(long)]
     max_host_memory: Option<u64>,
@@ -159,6 +174,7 @@ pub enum GridArg {
 
 /// Runs the command: plan, calibration, quantization, report. Errors are one line each.
 pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    args.device.check_available("quantize_sala")?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -168,7 +184,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let input = args
         .input
         .clone()
-        .unwrap_or_else(|| fixtures.join("tiny-sala"));
+        .unwrap_or_else(|| fixtures.join("tiny-sala-trained"));
     let recipe = match args.recipe {
         RecipeArg::Gptq => Recipe::Gptq,
         RecipeArg::Nvfp4 => Recipe::Nvfp4,
@@ -241,9 +257,14 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let pipeline = Pipeline::<CpuBackend>::new(Default::default(), options);
-    let mut progress = Bars::new(args.quiet);
-    let report = pipeline.run(&input, &output, &samples, &mut progress)?;
+    let job = QuantizeJob {
+        options,
+        input: &input,
+        output: &output,
+        samples: &samples,
+        quiet: args.quiet,
+    };
+    let report = dispatch(args.device, "quantize_sala", job)?;
     let json = serde_json::to_string_pretty(
         &serde_json::json!({ "report": &report, "calibration": &stats }),
     )?;
@@ -254,6 +275,32 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         output.join("quantization_report.json").display()
     );
     Ok(())
+}
+
+/// The pipeline run on the backend `--device` picks.
+struct QuantizeJob<'a> {
+    options: QuantizeOptions,
+    input: &'a Path,
+    output: &'a Path,
+    samples: &'a [Sample],
+    quiet: bool,
+}
+
+impl DeviceJob for QuantizeJob<'_> {
+    type Output = Report;
+
+    fn run<B: Backend>(
+        self,
+        device: B::Device,
+        memory: Option<MemoryProbe<B>>,
+    ) -> Result<Report, Box<dyn std::error::Error>> {
+        let mut pipeline = Pipeline::<B>::new(device, self.options);
+        if let Some(probe) = memory {
+            pipeline = pipeline.with_memory_probe(probe);
+        }
+        let mut progress = Bars::new(self.quiet);
+        Ok(pipeline.run(self.input, self.output, self.samples, &mut progress)?)
+    }
 }
 
 fn recipe_name(recipe: Recipe) -> &'static str {
@@ -307,6 +354,12 @@ fn options_from(
     }
     options.max_host_memory = args.max_host_memory.map(|mb| mb * 1_000_000);
     options.skip_failed_samples = args.skip_failed_samples;
+    args.device.configure(
+        &mut options,
+        args.f32,
+        args.max_device_memory,
+        args.host_statistics,
+    );
     Ok(options)
 }
 
@@ -362,6 +415,11 @@ impl Progress for Bars {
             s.inc(1);
         }
     }
+    fn layer_done(&mut self, report: &LayerReport) {
+        if self.bars.is_some() {
+            self.message(&report.to_string());
+        }
+    }
     fn message(&mut self, text: &str) {
         match &self.bars {
             Some((m, _, _)) => {
@@ -375,5 +433,28 @@ impl Progress for Bars {
             l.finish_and_clear();
             s.finish_and_clear();
         }
+    }
+}
+
+#[cfg(all(test, not(feature = "cuda")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_is_refused_in_a_build_without_the_feature_before_any_work() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing-model");
+        let args = Args::try_parse_from([
+            "quantize_sala",
+            "--device",
+            "cuda",
+            "--input",
+            missing.to_str().unwrap(),
+        ])
+        .unwrap();
+        let err = run(args).unwrap_err().to_string();
+        // The device is refused first: the missing model is never looked at.
+        assert!(err.contains("--features cuda"), "{err}");
+        assert!(!err.contains("missing-model"), "{err}");
     }
 }

@@ -114,6 +114,23 @@ pub enum PipelineError {
         /// What failed.
         message: String,
     },
+    /// Statistics accumulated on the device hold a NaN or an infinity: some sample's
+    /// activations overflowed (host statistics name the sample).
+    #[error("the statistics of {input} are not finite (value {index}); a calibration sample's activations overflowed: run with host statistics to find it")]
+    NonFiniteStatistics {
+        /// The input (its first reader's name).
+        input: String,
+        /// Index of the first non-finite value.
+        index: usize,
+    },
+    /// The device failed (a kernel or a transfer), outside any one sample.
+    #[error("layer {layer}: {message}")]
+    Device {
+        /// The layer being run.
+        layer: usize,
+        /// What the backend said.
+        message: String,
+    },
     /// No calibration sample is left.
     #[error("no calibration samples: {0}")]
     NoSamples(String),

@@ -1,32 +1,77 @@
-//! The hidden states of every calibration sample between two layers, kept in bf16 (the model's
-//! own precision): in host memory, or in a memory-mapped scratch file when they would exceed the
+//! The hidden states of every calibration sample between two layers: on the device (as tensors
+//! of the runner's storage dtype) when they fit the device budget, else in bf16 (the model's own
+//! precision) in host memory, or in a memory-mapped scratch file when they would exceed the
 //! host-memory budget.
 
 use crate::error::PipelineError;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
 use half::bf16;
 use memmap2::MmapMut;
+use serde::Serialize;
+use std::fmt;
 use std::path::Path;
 
-/// Storage for `[tokens_i, hidden]` bf16 matrices, one per sample.
-pub struct HiddenStates {
-    hidden: usize,
-    offsets: Vec<usize>,
-    storage: Storage,
+/// Where [`HiddenStates`] keep their values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HiddenLocation {
+    /// Device tensors: no transfer between layers.
+    Device,
+    /// bf16 in host memory.
+    Host,
+    /// bf16 in a memory-mapped scratch file.
+    Disk,
 }
 
-enum Storage {
+impl fmt::Display for HiddenLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HiddenLocation::Device => "on the device",
+            HiddenLocation::Host => "in host memory",
+            HiddenLocation::Disk => "in a memory-mapped file",
+        })
+    }
+}
+
+/// The memory the hidden states may take, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HiddenBudget {
+    /// Device memory; `None`: never on the device.
+    pub device: Option<u64>,
+    /// Host memory; beyond it a scratch file. `None`: no limit.
+    pub host: Option<u64>,
+}
+
+/// Storage for `[tokens_i, hidden]` matrices, one per sample.
+pub struct HiddenStates<B: Backend> {
+    hidden: usize,
+    offsets: Vec<usize>,
+    device: B::Device,
+    /// Dtype of the tensors [`HiddenStates::load`] returns (and of device storage).
+    dtype: DType,
+    storage: Storage<B>,
+}
+
+enum Storage<B: Backend> {
+    /// One tensor per sample (`None` until set: zeros).
+    Device(Vec<Option<Tensor<B, 2>>>),
     Memory(Vec<bf16>),
     /// A scratch file (deleted when closed) mapped into memory; the kernel pages it out.
     Disk(MmapMut),
 }
 
-impl HiddenStates {
-    /// Space for samples of `lengths[i]` tokens of width `hidden`; on disk (in `scratch_dir`) when
-    /// `2 · Σ lengths · hidden` bytes exceed `budget`.
+impl<B: Backend> HiddenStates<B> {
+    /// Space for samples of `lengths[i]` tokens of width `hidden`, loaded as `dtype` tensors on
+    /// `device`. On the device when `Σ lengths · hidden · size(dtype)` bytes fit
+    /// `budget.device`; else in host memory as bf16, or on disk (in `scratch_dir`) when
+    /// `2 · Σ lengths · hidden` bytes exceed `budget.host`.
     pub fn new(
         lengths: &[usize],
         hidden: usize,
-        budget: Option<u64>,
+        device: &B::Device,
+        dtype: DType,
+        budget: HiddenBudget,
         scratch_dir: &Path,
     ) -> Result<Self, PipelineError> {
         let mut offsets = Vec::with_capacity(lengths.len() + 1);
@@ -36,14 +81,17 @@ impl HiddenStates {
             total += n * hidden;
             offsets.push(total);
         }
-        let bytes = total as u64 * 2;
-        let storage = if budget.is_some_and(|b| bytes > b) {
+        let device_bytes = total as u64 * dtype.size() as u64;
+        let host_bytes = total as u64 * 2;
+        let storage = if budget.device.is_some_and(|b| device_bytes <= b) {
+            Storage::Device(vec![None; lengths.len()])
+        } else if budget.host.is_some_and(|b| host_bytes > b) {
             let io = |e: std::io::Error| PipelineError::Io {
                 path: scratch_dir.to_path_buf(),
                 message: format!("hidden-state scratch file: {e}"),
             };
             let file = tempfile::tempfile_in(scratch_dir).map_err(io)?;
-            file.set_len(bytes).map_err(io)?;
+            file.set_len(host_bytes).map_err(io)?;
             // SAFETY: the file is private to this process (unnamed temporary) and outlives the map.
             Storage::Disk(unsafe { MmapMut::map_mut(&file) }.map_err(io)?)
         } else {
@@ -52,18 +100,33 @@ impl HiddenStates {
         Ok(Self {
             hidden,
             offsets,
+            device: device.clone(),
+            dtype,
             storage,
         })
     }
 
-    /// Whether the states live in a memory-mapped file.
-    pub fn on_disk(&self) -> bool {
-        matches!(self.storage, Storage::Disk(_))
+    /// Where the states live.
+    pub fn location(&self) -> HiddenLocation {
+        match self.storage {
+            Storage::Device(_) => HiddenLocation::Device,
+            Storage::Memory(_) => HiddenLocation::Host,
+            Storage::Disk(_) => HiddenLocation::Disk,
+        }
     }
 
-    /// Bytes held.
+    /// Whether the states live in a memory-mapped file.
+    pub fn on_disk(&self) -> bool {
+        self.location() == HiddenLocation::Disk
+    }
+
+    /// Bytes held (on the device: in the storage dtype; on the host: bf16).
     pub fn bytes(&self) -> u64 {
-        *self.offsets.last().unwrap_or(&0) as u64 * 2
+        let values = *self.offsets.last().unwrap_or(&0) as u64;
+        match self.storage {
+            Storage::Device(_) => values * self.dtype.size() as u64,
+            _ => values * 2,
+        }
     }
 
     /// Tokens of sample `i`.
@@ -71,11 +134,47 @@ impl HiddenStates {
         (self.offsets[i + 1] - self.offsets[i]) / self.hidden
     }
 
-    /// Stores sample `i` (`[tokens_i, hidden]` f32, rounded to bf16).
+    /// Stores sample `i`, a `[tokens_i, hidden]` tensor: kept as it is (cast to the storage
+    /// dtype) on the device, else downloaded and rounded to bf16.
+    pub fn store(&mut self, i: usize, tensor: Tensor<B, 2>) {
+        match &mut self.storage {
+            Storage::Device(v) => v[i] = Some(tensor.cast(self.dtype)),
+            _ => {
+                let values = tensor
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .unwrap_or_default();
+                self.set(i, &values);
+            }
+        }
+    }
+
+    /// Sample `i` as a `[tokens_i, hidden]` tensor of the storage dtype on the device.
+    pub fn load(&self, i: usize) -> Tensor<B, 2> {
+        let shape = [self.tokens(i), self.hidden];
+        match &self.storage {
+            Storage::Device(v) => v[i]
+                .clone()
+                .unwrap_or_else(|| Tensor::zeros(shape, (&self.device, self.dtype))),
+            _ => Tensor::from_data(
+                TensorData::new(self.get(i), shape),
+                (&self.device, self.dtype),
+            ),
+        }
+    }
+
+    /// Stores sample `i` from host values (`[tokens_i, hidden]` f32; rounded to bf16 on the
+    /// host, cast to the storage dtype on the device).
     pub fn set(&mut self, i: usize, values: &[f32]) {
         let range = self.offsets[i]..self.offsets[i + 1];
         debug_assert_eq!(values.len(), range.len());
         match &mut self.storage {
+            Storage::Device(v) => {
+                let data =
+                    TensorData::new(values.to_vec(), [range.len() / self.hidden, self.hidden]);
+                v[i] = Some(Tensor::from_data(data, (&self.device, self.dtype)));
+            }
             Storage::Memory(v) => {
                 for (d, &s) in v[range].iter_mut().zip(values) {
                     *d = bf16::from_f32(s);
@@ -90,10 +189,17 @@ impl HiddenStates {
         }
     }
 
-    /// Sample `i` as f32 `[tokens_i, hidden]`.
+    /// Sample `i` as host f32 `[tokens_i, hidden]` (downloaded from the device when it lives
+    /// there).
     pub fn get(&self, i: usize) -> Vec<f32> {
         let range = self.offsets[i]..self.offsets[i + 1];
         match &self.storage {
+            Storage::Device(_) => self
+                .load(i)
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .unwrap_or_default(),
             Storage::Memory(v) => v[range].iter().map(|x| x.to_f32()).collect(),
             Storage::Disk(map) => map[range.start * 2..range.end * 2]
                 .chunks_exact(2)
@@ -106,14 +212,24 @@ impl HiddenStates {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CpuBackend;
+
+    fn states(lengths: &[usize], budget: HiddenBudget, dir: &Path) -> HiddenStates<CpuBackend> {
+        HiddenStates::new(lengths, 4, &Default::default(), DType::F32, budget, dir).unwrap()
+    }
 
     #[test]
     fn memory_and_disk_storage_hold_the_same_bf16_values() {
         let dir = tempfile::tempdir().unwrap();
         let lengths = [3, 1, 2];
-        let mut mem = HiddenStates::new(&lengths, 4, None, dir.path()).unwrap();
-        let mut disk = HiddenStates::new(&lengths, 4, Some(8), dir.path()).unwrap();
-        assert!(!mem.on_disk() && disk.on_disk());
+        let mut mem = states(&lengths, HiddenBudget::default(), dir.path());
+        let disk_budget = HiddenBudget {
+            device: None,
+            host: Some(8),
+        };
+        let mut disk = states(&lengths, disk_budget, dir.path());
+        assert_eq!(mem.location(), HiddenLocation::Host);
+        assert_eq!(disk.location(), HiddenLocation::Disk);
         for (i, &n) in lengths.iter().enumerate() {
             let values: Vec<f32> = (0..n * 4)
                 .map(|k| (k as f32 + 0.3) * (i as f32 + 1.7))
@@ -129,5 +245,36 @@ mod tests {
                 .collect();
             assert_eq!(mem.get(i), expected);
         }
+    }
+
+    #[test]
+    fn device_storage_keeps_tensors_when_they_fit_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let lengths = [3, 2];
+        // 5 tokens × 4 × 4 bytes = 80 bytes: fits 80, not 79.
+        let fits = HiddenBudget {
+            device: Some(80),
+            host: None,
+        };
+        let too_small = HiddenBudget {
+            device: Some(79),
+            host: None,
+        };
+        assert_eq!(
+            states(&lengths, too_small, dir.path()).location(),
+            HiddenLocation::Host
+        );
+        let mut device = states(&lengths, fits, dir.path());
+        assert_eq!(device.location(), HiddenLocation::Device);
+        assert_eq!(device.bytes(), 80);
+        // Unset samples load as zeros; set ones come back exactly (no bf16 rounding: f32 storage).
+        assert_eq!(device.get(1), vec![0.0; 8]);
+        let values: Vec<f32> = (0..12).map(|k| k as f32 / 3.0).collect();
+        device.set(0, &values);
+        assert_eq!(device.get(0), values);
+        let doubled = device.load(0).mul_scalar(2.0);
+        device.store(1, doubled.slice([0..2, 0..4]));
+        let expected: Vec<f32> = values[..8].iter().map(|v| v * 2.0).collect();
+        assert_eq!(device.get(1), expected);
     }
 }

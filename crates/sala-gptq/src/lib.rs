@@ -6,8 +6,14 @@
 //! - [`plan`]: which linear gets which treatment, checked against the serving loaders' rules
 //!   before any compute ([`QuantPlan`]);
 //! - [`options`]: everything a run is told ([`QuantizeOptions`]), with the original defaults;
-//! - [`pipeline`]: the layer-by-layer data path ([`Pipeline`]): capture, smooth, solve, write,
-//!   propagate; then verify;
+//! - [`pipeline`]: a whole run into a checkpoint ([`Pipeline`]), then verify;
+//! - [`engine`]: the layer-by-layer data path ([`LayerEngine`]) shared by the pipeline and the
+//!   synthetic benchmark: capture, accumulate, smooth, solve, write, propagate;
+//! - [`solver`]: the solve stage's seam ([`LinearSolver`]; [`CpuSolver`] by default, a GPU
+//!   solver plugs in with [`Pipeline::with_solver`]);
+//! - [`io`]: where weights come from ([`WeightSource`]) and where layers go ([`LayerSink`]);
+//! - [`synthetic`]: a full-size model with random weights for throughput and memory
+//!   measurements, and the projection of a full run from a few layers;
 //! - [`smoothing`]: SmoothQuant groups from the model's wiring, folded exactly;
 //! - [`evaluate`]: running an exported checkpoint (either format) for comparisons;
 //! - [`report`]: what happened, per linear and per layer ([`Report`]);
@@ -15,25 +21,34 @@
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
 
+pub mod engine;
 mod error;
 pub mod evaluate;
 mod hidden;
+pub mod io;
 pub mod options;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
 pub mod report;
 pub mod smoothing;
+pub mod solver;
+mod stats;
+pub mod synthetic;
 
+pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
-pub use hidden::HiddenStates;
+pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
+pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
 pub use options::{GptqOptions, QuantizeOptions};
-pub use pipeline::{Pipeline, Sample};
+pub use pipeline::Pipeline;
 pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{LayerReport, LinearReport, Report};
+pub use solver::{CpuSolver, LinearSolver};
+pub use synthetic::{Projection, SyntheticModel, SyntheticReport, SyntheticRun};
 
 pub use sala_calib as calib;
 pub use sala_export as export;
@@ -43,3 +58,9 @@ pub use sala_model as model;
 pub use sala_smooth as smooth;
 /// The CPU backend used by default (Burn's ndarray backend, f32).
 pub type CpuBackend = burn_ndarray::NdArray<f32>;
+
+/// The GPU backend (feature `cuda`): burn-cuda with bf16 storage; run it with
+/// [`model::Numerics::Bf16Storage`], and give the pipeline [`model::cuda_memory`] as its
+/// memory probe.
+#[cfg(feature = "cuda")]
+pub use sala_model::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};

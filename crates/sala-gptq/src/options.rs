@@ -65,6 +65,17 @@ pub struct QuantizeOptions {
     /// Bytes of host memory the hidden states of all samples may take; beyond it they go to a
     /// memory-mapped file in the output's parent directory. `None`: no limit.
     pub max_host_memory: Option<u64>,
+    /// Bytes of device memory the hidden states of all samples may take (in the runner's
+    /// storage dtype: 2 bytes per value under bf16 storage). When they fit they stay on the
+    /// device between layers (no host round trip); otherwise they go to the host (or disk, per
+    /// `max_host_memory`). `None` (the default, and what the CPU path uses): never on the device.
+    pub max_device_memory: Option<u64>,
+    /// Accumulate the Hessians (GPTQ) or channel statistics (NVFP4) on the device with the
+    /// backend's matmul in f32 (the activations are bf16 values, so every product is exact),
+    /// instead of downloading each linear input and accumulating in f64 on the host (the
+    /// default). Non-finite activations are then found once per layer (naming the input, not
+    /// the sample) and `skip_failed_samples` cannot skip them.
+    pub device_statistics: bool,
     /// Count and skip a sample whose forward pass fails instead of stopping (reported).
     pub skip_failed_samples: bool,
     /// Also quantize every linear with RTN to report its error next to the solver's.
@@ -89,6 +100,8 @@ impl QuantizeOptions {
                 ..RunOptions::default()
             },
             max_host_memory: None,
+            max_device_memory: None,
+            device_statistics: false,
             skip_failed_samples: false,
             compare_rtn: true,
             overwrite: false,

@@ -21,7 +21,9 @@ pub trait Progress {
     fn stage(&mut self, _stage: Stage, _steps: usize) {}
     /// One step of the current stage is done.
     fn step(&mut self) {}
-    /// A message worth showing (a warning, a skipped sample).
+    /// A layer is done, with its timings and memory.
+    fn layer_done(&mut self, _report: &crate::LayerReport) {}
+    /// A message worth showing (a warning, a skipped sample, where the hidden states live).
     fn message(&mut self, _text: &str) {}
     /// The run is over.
     fn finish(&mut self) {}

@@ -1,6 +1,8 @@
 //! What a run did, per linear and per layer, as JSON (written into the output directory) and as
 //! a table for the terminal.
 
+use crate::hidden::HiddenLocation;
+use sala_model::DeviceMemory;
 use serde::Serialize;
 use std::fmt;
 
@@ -32,21 +34,52 @@ pub struct LinearReport {
     pub seconds: f64,
 }
 
-/// One decoder layer's timing by stage, seconds.
+/// One decoder layer: its timing by stage (seconds, wall clock; on a GPU each stage ends with
+/// a device synchronization, so work is charged to the stage that queued it), its tokens and
+/// its peak memory.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct LayerReport {
     /// Layer index.
     pub layer: usize,
     /// `minicpm4`, `lightning` or `llama`.
     pub kind: String,
-    /// Forward passes with taps and statistics.
+    /// Calibration samples run through the layer.
+    pub samples: usize,
+    /// Their tokens.
+    pub tokens: u64,
+    /// Loading the layer's weights and the forward passes with taps (statistics excluded).
     pub capture: f64,
+    /// Accumulating the Hessians / channel statistics of the tapped inputs and finalizing them
+    /// (downloading them from the device when they are accumulated there).
+    pub accumulate: f64,
     /// Smoothing and solving.
     pub solve: f64,
     /// Forward passes with the quantized weights.
     pub propagate: f64,
     /// Writing tensors.
     pub write: f64,
+    /// Peak of the device allocator's memory over the layer (sampled after every sample and
+    /// stage), when the pipeline was given a memory probe (GPU runs).
+    pub peak_device_memory: Option<DeviceMemory>,
+    /// Peak resident memory of the process so far, bytes (Linux `VmHWM`), at the layer's end.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl LayerReport {
+    /// Seconds that grow with the calibration tokens: capture, accumulate, propagate.
+    pub fn token_seconds(&self) -> f64 {
+        self.capture + self.accumulate + self.propagate
+    }
+
+    /// Seconds that do not depend on the calibration tokens: solve and write.
+    pub fn fixed_seconds(&self) -> f64 {
+        self.solve + self.write
+    }
+
+    /// Calibration tokens per second through the layer's token-proportional stages.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.token_seconds().max(f64::MIN_POSITIVE)
+    }
 }
 
 /// The whole run.
@@ -76,6 +109,14 @@ pub struct Report {
     pub hidden_state_bytes: u64,
     /// Whether they were memory-mapped from disk.
     pub hidden_states_on_disk: bool,
+    /// Where they were kept: on the device, in host memory or in a memory-mapped file.
+    pub hidden_states_location: HiddenLocation,
+    /// Whether the Hessians / channel statistics were accumulated on the device.
+    pub statistics_on_device: bool,
+    /// The [`LinearSolver`](crate::LinearSolver) that solved the linears.
+    pub solver: String,
+    /// Peak of the device allocator's memory over the run (GPU runs with a memory probe).
+    pub peak_device_memory: Option<DeviceMemory>,
     /// Tensor bytes written.
     pub output_bytes: u64,
     /// The verifier's summary of the written checkpoint.
@@ -85,27 +126,44 @@ pub struct Report {
 impl Report {
     /// Sum of the solver's output errors over quantized linears.
     pub fn total_output_error(&self) -> f64 {
-        self.linears.iter().filter_map(|l| l.output_error).sum()
+        total_errors(&self.linears).0
     }
 
     /// Sum of the baseline's output errors over quantized linears.
     pub fn total_baseline_error(&self) -> f64 {
-        self.linears
-            .iter()
-            .filter_map(|l| l.baseline_output_error)
-            .sum()
+        total_errors(&self.linears).1
     }
 
-    /// Seconds per stage summed over layers: capture, solve, propagate, write.
-    pub fn stage_totals(&self) -> [f64; 4] {
-        self.layers.iter().fold([0.0; 4], |acc, l| {
-            [
-                acc[0] + l.capture,
-                acc[1] + l.solve,
-                acc[2] + l.propagate,
-                acc[3] + l.write,
-            ]
-        })
+    /// Seconds per stage summed over layers: capture, accumulate, solve, propagate, write.
+    pub fn stage_totals(&self) -> [f64; 5] {
+        stage_totals(&self.layers)
+    }
+}
+
+impl fmt::Display for LayerReport {
+    /// One line: `layer 3 (lightning): capture 1.20 s, accumulate 0.31 s, solve 4.50 s, write
+    /// 0.00 s, propagate 0.98 s; 4096 tokens, 1655 tokens/s; <memory>`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "layer {} ({}): capture {:.2} s, accumulate {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
+            self.layer,
+            self.kind,
+            self.capture,
+            self.accumulate,
+            self.solve,
+            self.write,
+            self.propagate,
+            self.tokens,
+            self.tokens_per_second()
+        )?;
+        if let Some(m) = self.peak_device_memory {
+            write!(f, "; peak {}", device_memory_text(m))?;
+        }
+        if let Some(b) = self.peak_rss_bytes {
+            write!(f, "; peak RSS {:.2} GB", b as f64 / 1e9)?;
+        }
+        Ok(())
     }
 }
 
@@ -135,11 +193,11 @@ impl fmt::Display for Report {
                 l.seconds
             )?;
         }
-        let [capture, solve, propagate, write] = self.stage_totals();
+        let [capture, accumulate, solve, propagate, write] = self.stage_totals();
         writeln!(f)?;
         writeln!(
             f,
-            "{} recipe: {} samples, {} tokens, {} layers, {:.1} s (capture {capture:.1}, solve {solve:.1}, propagate {propagate:.1}, write {write:.1})",
+            "{} recipe: {} samples, {} tokens, {} layers, {:.1} s (capture {capture:.1}, accumulate {accumulate:.1}, solve {solve:.1}, propagate {propagate:.1}, write {write:.1})",
             self.recipe,
             self.samples,
             self.tokens,
@@ -148,20 +206,20 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "total output error {:.4e} (baseline {:.4e}); hidden states {:.1} MB{}; peak RSS {}",
+            "total output error {:.4e} (baseline {:.4e}); hidden states {:.1} MB {}; statistics on the {}; solver {}; peak RSS {}{}",
             self.total_output_error(),
             self.total_baseline_error(),
             self.hidden_state_bytes as f64 / 1e6,
-            if self.hidden_states_on_disk {
-                " (memory-mapped file)"
-            } else {
-                ""
-            },
+            self.hidden_states_location,
+            if self.statistics_on_device { "device" } else { "host" },
+            self.solver,
             self.peak_rss_bytes
                 .map_or("unknown".to_owned(), |b| format!(
                     "{:.1} MB",
                     b as f64 / 1e6
-                ))
+                )),
+            self.peak_device_memory
+                .map_or(String::new(), |m| format!("; {}", device_memory_text(m)))
         )?;
         if !self.failed_samples.is_empty() {
             writeln!(f, "skipped samples: {}", self.failed_samples.join("; "))?;
@@ -172,6 +230,38 @@ impl fmt::Display for Report {
             self.input, self.output, self.verify_summary
         )
     }
+}
+
+/// Sums of the solver's and of the baseline's output errors over `linears`.
+pub fn total_errors(linears: &[LinearReport]) -> (f64, f64) {
+    linears.iter().fold((0.0, 0.0), |(out, base), l| {
+        (
+            out + l.output_error.unwrap_or(0.0),
+            base + l.baseline_output_error.unwrap_or(0.0),
+        )
+    })
+}
+
+/// Seconds per stage summed over `layers`: capture, accumulate, solve, propagate, write.
+pub fn stage_totals(layers: &[LayerReport]) -> [f64; 5] {
+    layers.iter().fold([0.0; 5], |acc, l| {
+        [
+            acc[0] + l.capture,
+            acc[1] + l.accumulate,
+            acc[2] + l.solve,
+            acc[3] + l.propagate,
+            acc[4] + l.write,
+        ]
+    })
+}
+
+/// `device memory 12.3 GB in use, 14.0 GB reserved`.
+pub fn device_memory_text(m: DeviceMemory) -> String {
+    format!(
+        "device memory {:.2} GB in use, {:.2} GB reserved",
+        m.in_use as f64 / 1e9,
+        m.reserved as f64 / 1e9
+    )
 }
 
 /// Peak resident set size of this process (Linux `/proc/self/status` `VmHWM`), bytes.

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::config::{LayerKind, SalaConfig, FINAL_NORM};
 use crate::error::{ModelError, Result};
@@ -35,11 +35,25 @@ impl HostTensor {
         self.data.iter().position(|v| !v.is_finite())
     }
 
-    /// Copies the values to a `D`-dimensional tensor on `device`; the rank must match.
+    /// Copies the values to a `D`-dimensional tensor on `device` in the backend's default float
+    /// dtype; the rank must match.
     pub fn to_tensor<B: Backend, const D: usize>(&self, device: &B::Device) -> Tensor<B, D> {
         Tensor::from_data(
             TensorData::new(self.data.clone(), self.shape.clone()),
             device,
+        )
+    }
+
+    /// Copies the values to a `D`-dimensional tensor of `dtype` (a float dtype, converted on the
+    /// host) on `device`; the rank must match.
+    pub fn to_tensor_as<B: Backend, const D: usize>(
+        &self,
+        device: &B::Device,
+        dtype: DType,
+    ) -> Tensor<B, D> {
+        Tensor::from_data(
+            TensorData::new(self.data.clone(), self.shape.clone()),
+            (device, dtype),
         )
     }
 }

@@ -4,6 +4,10 @@
 //! - [`TensorStore`]: memory-mapped safetensors (single file or sharded), read lazily.
 //! - [`LayerWeights`] / [`HeadWeights`]: one layer's weights on the host as f32, mutable.
 //! - [`LayerRunner`]: embedding, one decoder layer with a tap on every linear's input, logits.
+//! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
+//!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
+//! - [`device`]: the GPU backend `CudaBackend` (feature `cuda`; bf16 storage,
+//!   [`Numerics::Bf16Storage`]) and device memory readings.
 //! - [`ops`]: RMSNorm, RoPE, chunked Simple GLA, blocked causal attention, with the plain
 //!   reference implementations they are tested against.
 //!
@@ -11,11 +15,13 @@
 //! it rounds to bf16 is switchable ([`Numerics`]).
 
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod host;
 pub mod numerics;
 pub mod ops;
 pub mod runner;
+pub mod source;
 pub mod store;
 pub mod wiring;
 
@@ -23,10 +29,14 @@ pub use config::{
     HeadDims, HfConfig, LayerKind, LinearSpec, ModelArch, SalaConfig, SparseConfig, TensorSpec,
     TokenIds, EMBED_TOKENS, FINAL_NORM, LM_HEAD,
 };
+pub use device::DeviceMemory;
+#[cfg(feature = "cuda")]
+pub use device::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
-pub use numerics::{round_to_bf16, Numerics};
+pub use numerics::{round_to_bf16, to_f32, Numerics};
 pub use runner::{AttentionMode, LayerRunner, RunOptions};
 pub use safetensors::Dtype;
+pub use source::{DeviceLayerWeights, LayerSource};
 pub use store::{TensorInfo, TensorStore, INDEX_FILE, SINGLE_FILE};
 pub use wiring::{input_groups, InputGroup, InputSource};

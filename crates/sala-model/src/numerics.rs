@@ -5,9 +5,16 @@
 //! "sala-model" §3 and §5): after every linear, after each RMSNorm step, after RoPE, after the
 //! residual scale and the residual add, after the gates. Without rounding (`F32`) the graph is the
 //! same model in exact-as-possible f32, which is what the golden logits check.
+//!
+//! On a GPU backend ([`Numerics::Bf16Storage`]) the tensors between those points are stored in
+//! bf16 (half the memory and bandwidth); the steps the reference computes in f32 (RMSNorm
+//! statistics, RoPE, softmax attention, the GLA recurrence, scalar multiplies) cast their inputs
+//! to f32 first. On an f32 tensor those casts are no-ops, so the CPU paths are unchanged.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+
+use crate::error::{ModelError, Result};
 
 /// Rounding policy of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -15,18 +22,54 @@ pub enum Numerics {
     /// Plain f32 everywhere (no intermediate rounding).
     #[default]
     F32,
-    /// Round to bf16 (nearest-even) where the bf16 reference rounds.
+    /// Round to bf16 (nearest-even) where the bf16 reference rounds; values stay in f32 tensors
+    /// (the CPU path).
     Bf16Rounding,
+    /// Store every tensor between rounding points in bf16 (the GPU path): the same rounding
+    /// points as [`Numerics::Bf16Rounding`], with linears as bf16 GEMMs (f32 accumulation).
+    /// Needs a backend with bf16 tensors ([`Numerics::check_backend`]).
+    Bf16Storage,
 }
 
 impl Numerics {
-    /// Rounds `tensor` to bf16 values (kept in an f32 tensor) under `Bf16Rounding`; identity under `F32`.
+    /// Rounds `tensor` to bf16 values: under `Bf16Rounding` kept in an f32 tensor, under
+    /// `Bf16Storage` cast to a bf16 tensor; identity under `F32`.
     pub fn round<B: Backend, const D: usize>(self, tensor: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Numerics::F32 => tensor,
             Numerics::Bf16Rounding => round_to_bf16(tensor),
+            Numerics::Bf16Storage => tensor.cast(FloatDType::BF16),
         }
     }
+
+    /// The dtype of the tensors between rounding points: bf16 under `Bf16Storage`, else f32.
+    /// Weights, hidden states and the outputs of [`Numerics::round`] have it.
+    pub fn storage_dtype(self) -> DType {
+        match self {
+            Numerics::F32 | Numerics::Bf16Rounding => DType::F32,
+            Numerics::Bf16Storage => DType::BF16,
+        }
+    }
+
+    /// An error unless backend `B` can store this policy's tensors on `device` (burn-ndarray
+    /// has no bf16 tensors, so `Bf16Storage` is for GPU backends).
+    pub fn check_backend<B: Backend>(self, device: &B::Device) -> Result<()> {
+        let dtype = self.storage_dtype();
+        if B::supports_dtype(device, dtype) {
+            Ok(())
+        } else {
+            Err(ModelError::InvalidInput(format!(
+                "numerics {self:?} stores {dtype:?} tensors, which the {} backend does not support",
+                B::name(device)
+            )))
+        }
+    }
+}
+
+/// `tensor` as f32: the dtype of the steps the reference computes in f32. A no-op on an f32
+/// tensor (every CPU path).
+pub fn to_f32<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, D> {
+    tensor.cast(FloatDType::F32)
 }
 
 /// Rounds every value to the nearest bf16 (ties to even) and returns it as f32.
@@ -48,5 +91,32 @@ pub fn round_to_bf16<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor
         .into_iter()
         .map(|v| half::bf16::from_f32(v).to_f32())
         .collect();
-    Tensor::from_data(TensorData::new(rounded, shape), &device)
+    Tensor::from_data(TensorData::new(rounded, shape), (&device, DType::F32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_ndarray::NdArray;
+
+    #[test]
+    fn bf16_storage_is_refused_on_a_backend_without_bf16_tensors() {
+        let device = Default::default();
+        assert!(Numerics::F32.check_backend::<NdArray<f32>>(&device).is_ok());
+        assert!(Numerics::Bf16Rounding
+            .check_backend::<NdArray<f32>>(&device)
+            .is_ok());
+        let err = Numerics::Bf16Storage
+            .check_backend::<NdArray<f32>>(&device)
+            .unwrap_err();
+        assert!(err.to_string().contains("BF16"), "{err}");
+        assert_eq!(Numerics::Bf16Storage.storage_dtype(), DType::BF16);
+        assert_eq!(Numerics::Bf16Rounding.storage_dtype(), DType::F32);
+    }
+
+    #[test]
+    fn to_f32_leaves_an_f32_tensor_untouched() {
+        let x = Tensor::<NdArray<f32>, 1>::from_floats([1.0, 0.1, -3.25], &Default::default());
+        assert_eq!(to_f32(x.clone()).into_data(), x.into_data());
+    }
 }

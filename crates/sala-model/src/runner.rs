@@ -3,17 +3,18 @@
 
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
 use crate::error::{ModelError, Result};
 use crate::host::{HeadWeights, HostTensor, LayerWeights};
-use crate::numerics::Numerics;
+use crate::numerics::{to_f32, Numerics};
 use crate::ops::attention::{causal_attention, DEFAULT_SCORE_BUDGET};
 use crate::ops::gla;
 use crate::ops::linear;
 use crate::ops::norm::rms_norm;
 use crate::ops::rope::{apply_rope, RopeTables};
+use crate::source::{DeviceLayerWeights, LayerSource};
 use crate::store::TensorStore;
 
 /// How minicpm4 layers treat sequences of `dense_len` tokens or more.
@@ -54,8 +55,9 @@ impl Default for RunOptions {
 
 /// Runs the model's pieces on backend `B`, one sequence (positions `0..T`) per call.
 ///
-/// Hidden states are `Tensor<B, 2>` `[tokens, hidden_size]`, f32 (holding bf16 values under
-/// [`Numerics::Bf16Rounding`]).
+/// Hidden states are `Tensor<B, 2>` `[tokens, hidden_size]` in the storage dtype
+/// ([`LayerRunner::storage_dtype`]): f32 (holding bf16 values under [`Numerics::Bf16Rounding`]),
+/// or bf16 under [`Numerics::Bf16Storage`]. Inputs of another float dtype are cast to it.
 #[derive(Debug, Clone)]
 pub struct LayerRunner<B: Backend> {
     config: SalaConfig,
@@ -65,17 +67,18 @@ pub struct LayerRunner<B: Backend> {
 
 /// A layer's weights converted to device tensors, checked against the config.
 struct DeviceLayer<'a, B: Backend> {
-    weights: &'a LayerWeights,
+    weights: &'a dyn LayerSource<B>,
     prefix: String,
     device: &'a B::Device,
+    /// The runner's storage dtype; every weight is cast to it (a no-op when it has it).
+    dtype: DType,
 }
 
 impl<B: Backend> DeviceLayer<'_, B> {
     fn tensor<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
         let full = format!("{}.{name}.weight", self.prefix);
-        let host = self.weights.get(&full)?;
-        check_host_shape(&full, host, &shape)?;
-        Ok(host.to_tensor(self.device))
+        let flat = self.weights.flat_tensor(&full, &shape, self.device)?;
+        Ok(flat.cast(self.dtype).reshape(shape))
     }
 }
 
@@ -117,6 +120,38 @@ impl<B: Backend> LayerRunner<B> {
         self.options.numerics.round(x)
     }
 
+    /// The dtype of hidden states and weights on the device ([`Numerics::storage_dtype`]).
+    pub fn storage_dtype(&self) -> DType {
+        self.options.numerics.storage_dtype()
+    }
+
+    /// Uploads `weights` once, flattened and in the storage dtype, for running many samples
+    /// through the layer with [`LayerRunner::run_layer_from`] (the quantization pipeline does;
+    /// [`LayerRunner::run_layer`] uploads on every call).
+    pub fn upload(&self, weights: &LayerWeights) -> Result<DeviceLayerWeights<B>> {
+        self.options.numerics.check_backend::<B>(&self.device)?;
+        let layer = weights.layer;
+        if layer >= self.config.num_layers() || weights.kind != self.config.layer_kind(layer) {
+            return Err(ModelError::InvalidInput(format!(
+                "weights of layer {layer} ({:?}) do not match the config",
+                weights.kind
+            )));
+        }
+        let dtype = self.storage_dtype();
+        let tensors = self
+            .config
+            .layer_tensor_specs(layer)
+            .iter()
+            .map(|spec| {
+                let host = weights.get(&spec.name)?;
+                check_host_shape(&spec.name, host, &spec.shape)?;
+                let flat = HostTensor::new(vec![host.data.len()], host.data.clone());
+                Ok(flat.to_tensor_as::<B, 1>(&self.device, dtype))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        DeviceLayerWeights::new(&self.config, layer, tensors)
+    }
+
     /// Layer-0 input `[ids.len(), hidden]`: `embed_tokens[ids] · scale_emb`, reading only the
     /// rows of `ids` from the store.
     pub fn embed(&self, store: &TensorStore, ids: &[u32]) -> Result<Tensor<B, 2>> {
@@ -125,13 +160,19 @@ impl<B: Backend> LayerRunner<B> {
         }
         let rows = store.rows_f32(EMBED_TOKENS, ids)?;
         check_host_shape(EMBED_TOKENS, &rows, &[ids.len(), self.config.hidden_size()])?;
-        let scaled = rows
-            .to_tensor::<B, 2>(&self.device)
-            .mul_scalar(self.config.embedding_scale());
-        Ok(self.round(scaled))
+        self.scale_embedding(rows.to_tensor_as::<B, 2>(&self.device, DType::F32))
     }
 
-    /// Logits `[tokens, vocab]` (f32) from the last layer's output: final RMSNorm, division by
+    /// Layer-0 input from embedding rows already on the device (`[tokens, hidden]`, any float
+    /// dtype, e.g. gathered from a trained parameter): `rows · scale_emb` in f32, rounded to the
+    /// storage dtype, as [`LayerRunner::embed`].
+    pub fn scale_embedding(&self, rows: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        self.options.numerics.check_backend::<B>(&self.device)?;
+        self.check_hidden(&rows)?;
+        Ok(self.round(to_f32(rows).mul_scalar(self.config.embedding_scale())))
+    }
+
+    /// Logits `[tokens, vocab]` (an f32 tensor) from the last layer's output: final RMSNorm, division by
     /// `hidden_size / dim_model_base`, `lm_head`.
     pub fn logits(&self, head: &HeadWeights, hidden: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
         let width = self.config.hidden_size();
@@ -142,10 +183,40 @@ impl<B: Backend> LayerRunner<B> {
             &head.lm_head,
             &[self.config.vocab_size(), width],
         )?;
-        let normed = self.norm(hidden, head.final_norm.to_tensor(&self.device));
-        let scaled = self.round(normed.div_scalar(self.config.logit_divisor()));
-        let lm_head = head.lm_head.to_tensor::<B, 2>(&self.device);
-        Ok(linear(scaled, lm_head, self.options.numerics))
+        self.logits_from(
+            head.final_norm.to_tensor_as(&self.device, DType::F32),
+            head.lm_head.to_tensor_as(&self.device, DType::F32),
+            hidden,
+        )
+    }
+
+    /// [`LayerRunner::logits`] with the final norm `[hidden]` and `lm_head` `[vocab, hidden]`
+    /// given as device tensors (e.g. trained parameters), cast to the storage dtype. The logits
+    /// are f32.
+    pub fn logits_from(
+        &self,
+        final_norm: Tensor<B, 1>,
+        lm_head: Tensor<B, 2>,
+        hidden: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
+        let width = self.config.hidden_size();
+        self.check_hidden(&hidden)?;
+        let (norm_dims, head_dims) = (final_norm.dims(), lm_head.dims());
+        if norm_dims != [width] || head_dims != [self.config.vocab_size(), width] {
+            return Err(ModelError::InvalidInput(format!(
+                "head tensors have shapes {norm_dims:?} and {head_dims:?}, expected [{width}] and [{}, {width}]",
+                self.config.vocab_size()
+            )));
+        }
+        self.options.numerics.check_backend::<B>(&self.device)?;
+        let dtype = self.storage_dtype();
+        let normed = self.norm(hidden.cast(dtype), final_norm.cast(dtype));
+        let scaled = self.round(to_f32(normed).div_scalar(self.config.logit_divisor()));
+        Ok(to_f32(linear(
+            scaled,
+            lm_head.cast(dtype),
+            self.options.numerics,
+        )))
     }
 
     fn check_hidden(&self, hidden: &Tensor<B, 2>) -> Result<()> {
@@ -166,21 +237,23 @@ impl<B: Backend> LayerRunner<B> {
     /// Checks `hidden` and that `weights` belong to a layer of this config.
     fn device_layer<'a>(
         &'a self,
-        weights: &'a LayerWeights,
+        weights: &'a dyn LayerSource<B>,
         hidden: &Tensor<B, 2>,
     ) -> Result<DeviceLayer<'a, B>> {
         self.check_hidden(hidden)?;
-        let layer = weights.layer;
-        if layer >= self.config.num_layers() || weights.kind != self.config.layer_kind(layer) {
+        let layer = weights.layer();
+        if layer >= self.config.num_layers() || weights.kind() != self.config.layer_kind(layer) {
             return Err(ModelError::InvalidInput(format!(
                 "weights of layer {layer} ({:?}) do not match the config",
-                weights.kind
+                weights.kind()
             )));
         }
+        self.options.numerics.check_backend::<B>(&self.device)?;
         Ok(DeviceLayer::<B> {
             weights,
             prefix: format!("model.layers.{layer}"),
             device: &self.device,
+            dtype: self.storage_dtype(),
         })
     }
 
@@ -188,13 +261,15 @@ impl<B: Backend> LayerRunner<B> {
     /// `[q, k, v]`, each `[tokens, heads, d]`, after `input_layernorm`, the projections, the
     /// per-head q/k RMSNorm and RoPE, with q already multiplied by the attention scale
     /// `1/√d` — exactly what [`gla::chunked`] consumes inside [`LayerRunner::run_layer`]
-    /// (there as `[heads, tokens, d]`). Errors unless `weights` is a lightning layer.
+    /// (there as `[heads, tokens, d]`); q is f32, k and v have the storage dtype. Errors unless
+    /// `weights` is a lightning layer.
     pub fn lightning_gla_inputs(
         &self,
         weights: &LayerWeights,
         hidden: Tensor<B, 2>,
     ) -> Result<[Tensor<B, 3>; 3]> {
         let w = self.device_layer(weights, &hidden)?;
+        let hidden = hidden.cast(w.dtype);
         if weights.kind != LayerKind::Lightning {
             return Err(ModelError::InvalidInput(format!(
                 "layer {} is {:?}, not a lightning layer",
@@ -221,13 +296,29 @@ impl<B: Backend> LayerRunner<B> {
         &self,
         weights: &LayerWeights,
         hidden: Tensor<B, 2>,
+        tap: F,
+    ) -> Result<Tensor<B, 2>>
+    where
+        F: FnMut(&str, &Tensor<B, 2>),
+    {
+        self.run_layer_from(weights, hidden, tap)
+    }
+
+    /// [`LayerRunner::run_layer`] with the weights taken from any [`LayerSource`]: host f32
+    /// or device tensors ([`DeviceLayerWeights`](crate::DeviceLayerWeights), e.g. the
+    /// parameters of a training loop, through which gradients then flow).
+    pub fn run_layer_from<F>(
+        &self,
+        weights: &dyn LayerSource<B>,
+        hidden: Tensor<B, 2>,
         mut tap: F,
     ) -> Result<Tensor<B, 2>>
     where
         F: FnMut(&str, &Tensor<B, 2>),
     {
         let w = self.device_layer(weights, &hidden)?;
-        let layer = weights.layer;
+        let hidden = hidden.cast(w.dtype);
+        let layer = weights.layer();
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
             tap(&format!("{}.{name}", w.prefix), &x);
@@ -236,12 +327,12 @@ impl<B: Backend> LayerRunner<B> {
         let residual = self.config.residual_scale();
 
         let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?);
-        let mixed = match weights.kind {
+        let mixed = match weights.kind() {
             LayerKind::Minicpm4 => self.minicpm4(layer, a, &mut apply)?,
             LayerKind::Lightning => self.lightning(&w, a, &mut apply)?,
             LayerKind::Llama => self.llama(a, &mut apply)?,
         };
-        let h = self.round(hidden + self.round(mixed.mul_scalar(residual)));
+        let h = self.round(hidden + self.round(to_f32(mixed).mul_scalar(residual)));
 
         let m = self.norm(
             h.clone(),
@@ -251,7 +342,7 @@ impl<B: Backend> LayerRunner<B> {
         let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
         let act = self.round(self.round(silu(gate)) * up);
         let down = apply("mlp.down_proj", act, [hidden_size, inter])?;
-        Ok(self.round(h + self.round(down.mul_scalar(residual))))
+        Ok(self.round(h + self.round(to_f32(down).mul_scalar(residual))))
     }
 
     /// q/k/v projections of `a` into `[tokens, heads, d]` views.
@@ -367,7 +458,7 @@ impl<B: Backend> LayerRunner<B> {
             self.options.numerics,
         );
         let scale = 1.0 / (d as f64).sqrt();
-        Ok([q.mul_scalar(scale), k, v])
+        Ok([to_f32(q).mul_scalar(scale), k, v])
     }
 
     /// Llama mixer: RoPE on q and k, GQA causal attention, `o_proj`.

@@ -5,12 +5,15 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Tensor};
 
+use crate::numerics::to_f32;
+
 /// Default cap on score-matrix elements per query block (2^26 f32 = 256 MiB).
 pub const DEFAULT_SCORE_BUDGET: usize = 1 << 26;
 
 /// Causal GQA attention. `q` `[tokens, heads, d]`, `k`/`v` `[tokens, kv_heads, d]`; query head
 /// `i` reads KV head `i / (heads / kv_heads)` (HF `repeat_kv`). Scores are `q·k / sqrt(d)`,
-/// softmax in f32. Returns `[tokens, heads, d]`.
+/// softmax in f32. The inputs are cast to f32 (a no-op on f32 tensors); returns `[tokens,
+/// heads, d]` in f32.
 ///
 /// Query rows are processed in blocks sized so that one block's scores
 /// (`heads × block × keys`) stay within `score_budget` elements.
@@ -20,6 +23,7 @@ pub fn causal_attention<B: Backend>(
     v: Tensor<B, 3>,
     score_budget: usize,
 ) -> Tensor<B, 3> {
+    let (q, k, v) = (to_f32(q), to_f32(k), to_f32(v));
     let [tokens, heads, d] = q.dims();
     let kv_heads = k.dims()[1];
     let group = heads / kv_heads;

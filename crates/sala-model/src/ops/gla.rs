@@ -5,7 +5,9 @@
 //! verbatim; [`chunked`] is the parallel form used by the runner and tested against it.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
+
+use crate::numerics::to_f32;
 
 /// ALiBi slopes `start^(h+1)`, `start = 2^(-8/H)`, negated: the fixed log-decays `g_h` of the
 /// lightning heads (`−2^{−(h+1)/4}` for the released H = 32). `heads` must be a power of two
@@ -80,7 +82,7 @@ impl<B: Backend> ChunkDecays<B> {
         }
         let whole: Vec<f32> = log_decays.iter().map(|&g| power(g, len)).collect();
         let tensor = |data: Vec<f32>, shape: [usize; 3]| {
-            Tensor::from_data(TensorData::new(data, shape.to_vec()), device)
+            Tensor::from_data(TensorData::new(data, shape.to_vec()), (device, DType::F32))
         };
         Self {
             into_queries: tensor(into_queries, [heads, len, 1]),
@@ -95,7 +97,8 @@ impl<B: Backend> ChunkDecays<B> {
 /// returning `[heads, tokens, d]`. Within a chunk of `chunk` tokens the output is
 /// `(q ⊙ γ^{i+1}) S + ((q kᵀ) ⊙ D) v`; the state then advances by `γ^C S + (k ⊙ γ^{C-1-j})ᵀ v`.
 /// Work is `O(T·C·d + T·d²)` per head and memory `O(C² + d²)`; every power of γ is taken
-/// directly (no ratios), so no term overflows however long the chunk.
+/// directly (no ratios), so no term overflows however long the chunk. Computed in f32 (the
+/// inputs are cast; a no-op on f32 tensors); the output is f32.
 pub fn chunked<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -103,11 +106,12 @@ pub fn chunked<B: Backend>(
     log_decays: &[f64],
     chunk: usize,
 ) -> Tensor<B, 3> {
+    let (q, k, v) = (to_f32(q), to_f32(k), to_f32(v));
     let [heads, tokens, d] = q.dims();
     let device = q.device();
     let chunk = chunk.max(1);
     let full = ChunkDecays::<B>::new(log_decays, chunk.min(tokens), &device);
-    let mut state = Tensor::<B, 3>::zeros([heads, d, d], &device);
+    let mut state = Tensor::<B, 3>::zeros([heads, d, d], (&device, DType::F32));
     let mut outputs = Vec::with_capacity(tokens.div_ceil(chunk));
     for start in (0..tokens).step_by(chunk) {
         let end = (start + chunk).min(tokens);

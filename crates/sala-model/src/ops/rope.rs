@@ -1,11 +1,11 @@
 //! Rotary position embedding, NeoX "rotate-half" layout, as the HF `RotaryEmbedding`.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
-use crate::numerics::Numerics;
+use crate::numerics::{to_f32, Numerics};
 
-/// `cos` and `sin` tables `[positions, head_dim]` for positions `0..positions`.
+/// `cos` and `sin` tables `[positions, head_dim]` for positions `0..positions`, f32.
 #[derive(Debug, Clone)]
 pub struct RopeTables<B: Backend> {
     /// `cos(p · inv_freq[i mod head_dim/2])`.
@@ -42,13 +42,14 @@ pub fn rope_tables_host(positions: usize, head_dim: usize, theta: f64) -> (Vec<f
 }
 
 impl<B: Backend> RopeTables<B> {
-    /// Tables for positions `0..positions` on `device`.
+    /// Tables for positions `0..positions` on `device` (f32 tensors whatever the backend's
+    /// default float type).
     pub fn new(positions: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
         let (cos, sin) = rope_tables_host(positions, head_dim, theta);
         let shape = vec![positions, head_dim];
         Self {
-            cos: Tensor::from_data(TensorData::new(cos, shape.clone()), device),
-            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            cos: Tensor::from_data(TensorData::new(cos, shape.clone()), (device, DType::F32)),
+            sin: Tensor::from_data(TensorData::new(sin, shape), (device, DType::F32)),
         }
     }
 }
@@ -62,12 +63,13 @@ pub fn rotate_half<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
 }
 
 /// Rotates `x` `[tokens, heads, d]` at positions `0..tokens`: `x·cos + rotate_half(x)·sin`,
-/// in f32, then rounded (the reference casts back to bf16).
+/// in f32 (`x` is cast first), then rounded (the reference casts back to bf16).
 pub fn apply_rope<B: Backend>(
     x: Tensor<B, 3>,
     tables: &RopeTables<B>,
     numerics: Numerics,
 ) -> Tensor<B, 3> {
+    let x = to_f32(x);
     let [tokens, _, d] = x.dims();
     let cos = tables
         .cos

@@ -1,0 +1,712 @@
+//! The per-layer engine shared by the checkpoint [`Pipeline`](crate::Pipeline) and the
+//! synthetic benchmark ([`crate::synthetic`]): for each decoder layer, capture the inputs of
+//! every linear and accumulate their statistics, smooth, solve every linear (through the
+//! [`LinearSolver`] seam), hand the layer to a [`LayerSink`], and re-run the quantized layer to
+//! produce the next layer's inputs (the original scripts' quantized-input propagation).
+
+use crate::error::PipelineError;
+use crate::hidden::{HiddenBudget, HiddenStates};
+use crate::io::{LayerSink, SolvedLinear, WeightSource};
+use crate::options::QuantizeOptions;
+use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
+use crate::progress::{Progress, Stage};
+use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
+use crate::smoothing::{fold_group, reader_map, smooth_group_of};
+use crate::solver::LinearSolver;
+use crate::stats::{Finalized, InputStats, StatsKind};
+use burn::tensor::backend::Backend;
+use sala_formats::nvfp4::global_scale_from_amax;
+use sala_formats::{BlockScales, Nvfp4Matrix};
+use sala_hessian::{ChannelStats, Gptq, GptqConfig as SolverConfig, Hessian, IntGrid, Method};
+use sala_model::{
+    input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
+    SalaConfig,
+};
+use sala_smooth::ScaleRecipe;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Instant;
+
+/// Reads the device allocator's memory (e.g. [`sala_model::cuda_memory`] for the CUDA
+/// backend); `None` when the device cannot say.
+pub type MemoryProbe<B> = fn(&burn::tensor::Device<B>) -> Option<DeviceMemory>;
+
+/// One calibration sample: token ids and where it came from (for error messages).
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// Token ids (BOS included as the tokenizer adds it).
+    pub ids: Vec<u32>,
+    /// Line of the calibration file (1-based), 0 if not from a file.
+    pub line: usize,
+}
+
+impl From<&sala_calib::CalibSample> for Sample {
+    fn from(s: &sala_calib::CalibSample) -> Self {
+        Self {
+            ids: s.ids.clone(),
+            line: s.line,
+        }
+    }
+}
+
+/// What a run through the engine used and produced, for the final report.
+#[derive(Debug, Clone)]
+pub struct EngineTotals {
+    /// Samples still in use at the end.
+    pub samples: usize,
+    /// Their tokens.
+    pub tokens: u64,
+    /// Samples whose forward pass failed and were skipped.
+    pub failed_samples: Vec<String>,
+    /// Per linear, in solve order.
+    pub linears: Vec<LinearReport>,
+    /// Peak of the device allocator's memory (with a memory probe).
+    pub peak_device_memory: Option<DeviceMemory>,
+}
+
+/// The layer-by-layer data path over any [`WeightSource`] into any [`LayerSink`].
+///
+/// Call [`LayerEngine::embed`] once, then [`LayerEngine::layer`] for layers `0, 1, …` in order
+/// (each consumes the hidden states the previous one produced), then
+/// [`LayerEngine::totals`].
+pub struct LayerEngine<'a, B: Backend> {
+    options: &'a QuantizeOptions,
+    plan: &'a QuantPlan,
+    runner: &'a LayerRunner<B>,
+    solver: &'a dyn LinearSolver,
+    memory: Option<MemoryProbe<B>>,
+    samples: &'a [Sample],
+    /// Samples still in use (a failed one is dropped when skipping is allowed).
+    active: Vec<usize>,
+    failed: Vec<String>,
+    linears: Vec<LinearReport>,
+    /// Peak device memory of the current layer.
+    layer_peak: Option<DeviceMemory>,
+    /// Peak device memory of the run.
+    peak_device: Option<DeviceMemory>,
+}
+
+/// The running maximum of `peak` and `now`.
+fn max_memory(peak: Option<DeviceMemory>, now: Option<DeviceMemory>) -> Option<DeviceMemory> {
+    match (peak, now) {
+        (Some(p), Some(n)) => Some(p.max(n)),
+        (p, n) => p.or(n),
+    }
+}
+
+/// Waits for the device's queued work, so that a timer charges it to the stage that queued it
+/// (a no-op on the CPU backend).
+fn sync<B: Backend>(device: &B::Device) -> Result<(), String> {
+    B::sync(device).map_err(|e| format!("device error: {e}"))
+}
+
+fn seconds_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}
+
+impl<'a, B: Backend> LayerEngine<'a, B> {
+    /// An engine running `plan` with `options` on `runner`'s device, solving with `solver`,
+    /// over `samples` (at least one).
+    pub fn new(
+        options: &'a QuantizeOptions,
+        plan: &'a QuantPlan,
+        runner: &'a LayerRunner<B>,
+        solver: &'a dyn LinearSolver,
+        samples: &'a [Sample],
+    ) -> Result<Self, PipelineError> {
+        if samples.is_empty() {
+            return Err(PipelineError::NoSamples(
+                "the calibration set is empty".into(),
+            ));
+        }
+        Ok(Self {
+            options,
+            plan,
+            runner,
+            solver,
+            memory: None,
+            samples,
+            active: (0..samples.len()).collect(),
+            failed: Vec::new(),
+            linears: Vec::new(),
+            layer_peak: None,
+            peak_device: None,
+        })
+    }
+
+    /// Samples the device memory with `probe` during every layer (reported per layer).
+    pub fn with_memory_probe(mut self, probe: Option<MemoryProbe<B>>) -> Self {
+        self.memory = probe;
+        self
+    }
+
+    fn config(&self) -> &SalaConfig {
+        self.runner.config()
+    }
+
+    /// Reads the device memory into the layer's peak (with a probe).
+    fn sample_memory(&mut self) {
+        let now = self.memory.and_then(|probe| probe(self.runner.device()));
+        self.layer_peak = max_memory(self.layer_peak, now);
+    }
+
+    /// Tokens of the samples still in use.
+    pub fn active_tokens(&self) -> u64 {
+        self.active
+            .iter()
+            .map(|&i| self.samples[i].ids.len() as u64)
+            .sum()
+    }
+
+    /// The layer-0 inputs of every sample, kept on the device when they fit
+    /// `options.max_device_memory`, else on the host (or in a scratch file in `scratch`, per
+    /// `options.max_host_memory`). Tells `progress` where they live.
+    pub fn embed(
+        &mut self,
+        source: &dyn WeightSource<B>,
+        scratch: &Path,
+        progress: &mut dyn Progress,
+    ) -> Result<HiddenStates<B>, PipelineError> {
+        let lengths: Vec<usize> = self.samples.iter().map(|s| s.ids.len()).collect();
+        let budget = HiddenBudget {
+            device: self.options.max_device_memory,
+            host: self.options.max_host_memory,
+        };
+        let mut hidden = HiddenStates::new(
+            &lengths,
+            self.config().hidden_size(),
+            self.runner.device(),
+            self.runner.storage_dtype(),
+            budget,
+            scratch,
+        )?;
+        for (i, sample) in self.samples.iter().enumerate() {
+            hidden.store(i, source.embed(self.runner, &sample.ids)?);
+        }
+        progress.message(&format!(
+            "hidden states: {:.1} MB {}; statistics on the {}; solver {}",
+            hidden.bytes() as f64 / 1e6,
+            hidden.location(),
+            if self.options.device_statistics {
+                "device"
+            } else {
+                "host"
+            },
+            self.solver.name()
+        ));
+        Ok(hidden)
+    }
+
+    /// Quantizes decoder layer `layer` of `source`: capture and accumulate, smooth, solve, hand
+    /// the layer to `sink`, propagate `hidden` through the quantized layer.
+    pub fn layer(
+        &mut self,
+        layer: usize,
+        source: &dyn WeightSource<B>,
+        hidden: &mut HiddenStates<B>,
+        sink: &mut dyn LayerSink,
+        progress: &mut dyn Progress,
+    ) -> Result<LayerReport, PipelineError> {
+        let runner = self.runner;
+        let config = runner.config();
+        let mut report = LayerReport {
+            layer,
+            kind: crate::plan::kind_name(config.layer_kind(layer)).to_owned(),
+            samples: self.active.len(),
+            tokens: self.active_tokens(),
+            ..LayerReport::default()
+        };
+        self.layer_peak = None;
+        let t = Instant::now();
+        let mut weights = source.layer(layer)?;
+        let groups = input_groups(config, layer);
+        let quantized: BTreeSet<String> = self
+            .plan
+            .layer(layer)
+            .filter(|l| l.treatment.is_quantized())
+            .map(|l| l.name.clone())
+            .collect();
+        let needed: Vec<bool> = groups
+            .iter()
+            .map(|g| g.readers.iter().any(|r| quantized.contains(r)))
+            .collect();
+        progress.stage(Stage::Capture, self.active.len());
+        let (mut stats, accumulate) =
+            self.capture(layer, &weights, &groups, &needed, hidden, progress)?;
+        report.accumulate = accumulate;
+        report.capture = seconds_since(t) - accumulate;
+
+        let t = Instant::now();
+        progress.stage(Stage::Solve, quantized.len());
+        let mut modified = BTreeSet::new();
+        let scale_ranges =
+            self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
+        let solved = self.solve_layer(
+            layer,
+            &groups,
+            &mut weights,
+            &stats,
+            &scale_ranges,
+            progress,
+        )?;
+        report.solve = seconds_since(t);
+
+        let t = Instant::now();
+        hand_over(sink, &solved, &weights, &quantized, &modified)?;
+        report.write = seconds_since(t);
+
+        let t = Instant::now();
+        progress.stage(Stage::Propagate, self.active.len());
+        self.propagate(layer, &weights, hidden, progress)?;
+        report.propagate = seconds_since(t);
+        report.peak_device_memory = self.layer_peak;
+        report.peak_rss_bytes = peak_rss_bytes();
+        self.peak_device = max_memory(self.peak_device, self.layer_peak);
+        Ok(report)
+    }
+
+    /// What the run used and produced so far.
+    pub fn totals(&self) -> EngineTotals {
+        EngineTotals {
+            samples: self.active.len(),
+            tokens: self.active_tokens(),
+            failed_samples: self.failed.clone(),
+            linears: self.linears.clone(),
+            peak_device_memory: self.peak_device,
+        }
+    }
+
+    /// A failed forward pass: an error, or (when allowed) the sample is dropped and counted.
+    fn sample_failed(
+        &mut self,
+        i: usize,
+        layer: usize,
+        message: String,
+    ) -> Result<(), PipelineError> {
+        let line = self.samples[i].line;
+        if !self.options.skip_failed_samples {
+            return Err(PipelineError::Sample {
+                sample: i,
+                line,
+                layer,
+                message,
+            });
+        }
+        self.failed.push(format!(
+            "sample {i} (line {line}) in layer {layer}: {message}"
+        ));
+        self.active.retain(|&k| k != i);
+        if self.active.is_empty() {
+            return Err(PipelineError::NoSamples("every sample failed".into()));
+        }
+        Ok(())
+    }
+
+    /// Runs the layer on every active sample, feeding each needed input to its statistics.
+    /// Returns the finalized statistics per input group and the seconds spent accumulating
+    /// and finalizing them.
+    fn capture(
+        &mut self,
+        layer: usize,
+        weights: &LayerWeights,
+        groups: &[InputGroup],
+        needed: &[bool],
+        hidden: &HiddenStates<B>,
+        progress: &mut dyn Progress,
+    ) -> Result<(Vec<Option<Finalized>>, f64), PipelineError> {
+        let first_reader: BTreeMap<&str, usize> = groups
+            .iter()
+            .enumerate()
+            .filter(|(g, _)| needed[*g])
+            .map(|(g, group)| (group.readers[0].as_str(), g))
+            .collect();
+        let mut stats: Vec<Option<InputStats<B>>> = groups
+            .iter()
+            .zip(needed)
+            .map(|(group, &need)| need.then(|| self.new_stats(weights, group)).transpose())
+            .collect::<Result<_, _>>()?;
+        let runner = self.runner;
+        let device_weights = runner.upload(weights)?;
+        let device = runner.device();
+        let mut accumulate = 0.0;
+        for i in self.active.clone() {
+            let mut tap_error: Option<String> = None;
+            let result = runner.run_layer_from(&device_weights, hidden.load(i), |name, input| {
+                let Some(&g) = first_reader.get(name) else {
+                    return;
+                };
+                if tap_error.is_some() {
+                    return;
+                }
+                let added = sync::<B>(device).and_then(|()| {
+                    let t = Instant::now();
+                    let added = match stats[g].as_mut() {
+                        Some(s) => s.add(input).map_err(|e| format!("{name}: {e}")),
+                        None => Ok(()),
+                    };
+                    let synced = sync::<B>(device);
+                    accumulate += seconds_since(t);
+                    added.and(synced)
+                });
+                if let Err(e) = added {
+                    tap_error = Some(e);
+                }
+            });
+            match (result, tap_error) {
+                (Ok(_), None) => {}
+                (Err(e), _) => self.sample_failed(i, layer, e.to_string())?,
+                (Ok(_), Some(message)) => self.sample_failed(i, layer, message)?,
+            }
+            self.sample_memory();
+            progress.step();
+        }
+        sync::<B>(device).map_err(|message| PipelineError::Device { layer, message })?;
+        let t = Instant::now();
+        let finalized = stats
+            .into_iter()
+            .zip(groups)
+            .map(|(s, group)| s.map(|s| s.finalize(&group.readers[0])).transpose())
+            .collect::<Result<_, _>>()?;
+        Ok((finalized, accumulate + seconds_since(t)))
+    }
+
+    fn new_stats(
+        &self,
+        weights: &LayerWeights,
+        group: &InputGroup,
+    ) -> Result<InputStats<B>, PipelineError> {
+        let dim = weights.get(&format!("{}.weight", group.readers[0]))?.shape[1];
+        let kind = match self.plan.recipe {
+            Recipe::Gptq => StatsKind::Full,
+            Recipe::Nvfp4 => StatsKind::Diagonal,
+        };
+        let on_device = self.options.device_statistics.then(|| self.runner.device());
+        InputStats::new(kind, dim, on_device).map_err(|source| PipelineError::Solve {
+            linear: group.readers[0].clone(),
+            source,
+        })
+    }
+
+    /// SmoothQuant on every group the plan marks ([`PlannedLinear::smooth_group`]) with a
+    /// quantized reader. Returns each smoothed linear's scale range.
+    fn smooth(
+        &self,
+        groups: &[InputGroup],
+        needed: &[bool],
+        weights: &mut LayerWeights,
+        stats: &mut [Option<Finalized>],
+        modified: &mut BTreeSet<String>,
+    ) -> Result<BTreeMap<String, (f32, f32)>, PipelineError> {
+        let mut ranges = BTreeMap::new();
+        let Some(alpha) = self.options.smooth_alpha else {
+            return Ok(ranges);
+        };
+        let recipe = ScaleRecipe::original(alpha);
+        let readers = reader_map(groups);
+        for (g, group) in groups.iter().enumerate() {
+            // The plan says which inputs the recipe smooths (NVFP4: not up→down).
+            let planned = self
+                .plan
+                .get(&group.readers[0])
+                .and_then(|l| l.smooth_group.as_ref())
+                .is_some();
+            let Some(smooth_group) = smooth_group_of(group) else {
+                continue;
+            };
+            if !needed[g] || !planned {
+                continue;
+            }
+            let name = group.source.name().to_owned();
+            let smooth_err = |source| PipelineError::Smooth {
+                group: name.clone(),
+                source,
+            };
+            smooth_group.validate(&readers).map_err(smooth_err)?;
+            let Some(finalized) = stats[g].as_mut() else {
+                continue;
+            };
+            let act = finalized.rms();
+            let scales = fold_group(weights, &smooth_group, &recipe, &act)?;
+            finalized.rescale(&scales, &name)?;
+            let range = scales
+                .iter()
+                .fold((f32::INFINITY, 0f32), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+            modified.insert(format!("{}.weight", smooth_group.source.name()));
+            for t in &smooth_group.targets {
+                modified.insert(format!("{t}.weight"));
+                ranges.insert(t.clone(), range);
+            }
+        }
+        Ok(ranges)
+    }
+
+    /// Solves every quantized linear of the layer and replaces its weight by the dequantized one.
+    fn solve_layer(
+        &mut self,
+        layer: usize,
+        groups: &[InputGroup],
+        weights: &mut LayerWeights,
+        stats: &[Option<Finalized>],
+        scale_ranges: &BTreeMap<String, (f32, f32)>,
+        progress: &mut dyn Progress,
+    ) -> Result<Vec<(String, SolvedLinear)>, PipelineError> {
+        let group_of: BTreeMap<&str, usize> = groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, group)| group.readers.iter().map(move |r| (r.as_str(), g)))
+            .collect();
+        let fused_scales = self.fused_global_scales(layer, weights)?;
+        let mut solved = Vec::new();
+        let planned: Vec<PlannedLinear> = self
+            .plan
+            .layer(layer)
+            .filter(|l| l.treatment.is_quantized())
+            .cloned()
+            .collect();
+        for linear in planned {
+            let t = Instant::now();
+            let g = group_of[linear.name.as_str()];
+            let input = stats[g].as_ref().ok_or_else(|| {
+                PipelineError::NoSamples(format!("no statistics for {}", linear.name))
+            })?;
+            let weight_name = format!("{}.weight", linear.name);
+            let w = weights.get_mut(&weight_name)?;
+            let mut report = LinearReport {
+                name: linear.name.clone(),
+                treatment: treatment_label(&linear.treatment),
+                out_features: linear.out_features,
+                in_features: linear.in_features,
+                gptq_loss: None,
+                output_error: None,
+                baseline_output_error: None,
+                smooth_scale_range: scale_ranges.get(&linear.name).copied(),
+                damping_retries: 0,
+                rtn_fallback: false,
+                seconds: 0.0,
+            };
+            if input.dim() != linear.in_features {
+                return Err(PipelineError::Unsupported(format!(
+                    "{}: statistics of dimension {} for {} input features",
+                    linear.name,
+                    input.dim(),
+                    linear.in_features
+                )));
+            }
+            let result = match (&linear.treatment, input) {
+                (Treatment::Int { bits, group_size }, Finalized::Full(h)) => {
+                    self.solve_gptq(&linear, *bits, *group_size, &mut w.data, h, &mut report)?
+                }
+                (Treatment::Nvfp4, Finalized::Diagonal(s)) => {
+                    let global = fused_scales[&linear.name];
+                    let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
+                    self.solve_nvfp4(&linear, &mut w.data, s, global, act_amax, &mut report)?
+                }
+                _ => {
+                    return Err(PipelineError::Unsupported(format!(
+                        "{}: treatment and statistics disagree",
+                        linear.name
+                    )))
+                }
+            };
+            report.seconds = seconds_since(t);
+            self.linears.push(report);
+            solved.push((linear.name.clone(), result));
+            progress.step();
+        }
+        Ok(solved)
+    }
+
+    fn solve_gptq(
+        &self,
+        linear: &PlannedLinear,
+        bits: u32,
+        group_size: usize,
+        w: &mut [f32],
+        h: &Hessian<f64>,
+        report: &mut LinearReport,
+    ) -> Result<SolvedLinear, PipelineError> {
+        let (out, inp) = (linear.out_features, linear.in_features);
+        let opts = &self.options.gptq;
+        let grid = IntGrid {
+            bits,
+            scheme: opts.scheme,
+            group_size: Some(group_size),
+        };
+        let solve_err = |source| PipelineError::Solve {
+            linear: linear.name.clone(),
+            source,
+        };
+        let config = SolverConfig {
+            grid,
+            block_size: opts.block_size,
+            act_order: opts.act_order,
+            static_groups: opts.static_groups,
+            damping: opts.damping,
+            on_failure: opts.failure_policy(),
+            proxy_error: true,
+        };
+        // The options are checked here whatever the solver (and even under --rtn).
+        Gptq::new(config).map_err(solve_err)?;
+        let q = if opts.rtn {
+            self.solver.quantize_rtn(grid, w, out, inp, h)
+        } else {
+            self.solver.solve_gptq(&config, w, out, inp, h)
+        }
+        .map_err(solve_err)?;
+        if self.options.compare_rtn {
+            let rtn = self
+                .solver
+                .quantize_rtn(grid, w, out, inp, h)
+                .map_err(solve_err)?;
+            report.baseline_output_error = rtn.proxy_error;
+        }
+        report.gptq_loss = Some(q.loss);
+        report.output_error = q.proxy_error;
+        report.damping_retries = q.damping_retries;
+        report.rtn_fallback = q.method == Method::RtnFallback;
+        let packed = q.pack().map_err(solve_err)?;
+        w.copy_from_slice(&q.dequantized);
+        Ok(SolvedLinear::Gptq(packed))
+    }
+
+    fn solve_nvfp4(
+        &self,
+        linear: &PlannedLinear,
+        w: &mut [f32],
+        stats: &ChannelStats,
+        global: f32,
+        act_amax: f32,
+        report: &mut LinearReport,
+    ) -> Result<SolvedLinear, PipelineError> {
+        let (out, inp) = (linear.out_features, linear.in_features);
+        let format_err = |source| PipelineError::Format {
+            linear: linear.name.clone(),
+            source,
+        };
+        let diag: Vec<f32> = stats.mean_square.iter().map(|&d| d as f32).collect();
+        let search = self
+            .solver
+            .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
+            .map_err(|source| PipelineError::Solve {
+                linear: linear.name.clone(),
+                source,
+            })?;
+        let matrix = Nvfp4Matrix::quantize(
+            w,
+            out,
+            inp,
+            global,
+            BlockScales::Given(&search.block_scales),
+        )
+        .map_err(format_err)?;
+        if self.options.compare_rtn {
+            let max =
+                Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max).map_err(format_err)?;
+            report.baseline_output_error = Some(diagonal_error(w, &max.dequantize(), &diag));
+        }
+        let dequantized = matrix.dequantize();
+        report.output_error = Some(diagonal_error(w, &dequantized, &diag));
+        w.copy_from_slice(&dequantized);
+        let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
+        Ok(SolvedLinear::Nvfp4(matrix, input_scale))
+    }
+
+    /// NVFP4 global scales: one per fused group (q/k/v, gate/up: the max of the members'
+    /// amax, since SGLang reduces the shards' scales with `max()`), one per other linear.
+    fn fused_global_scales(
+        &self,
+        layer: usize,
+        weights: &LayerWeights,
+    ) -> Result<BTreeMap<String, f32>, PipelineError> {
+        let mut amax_of_group: BTreeMap<String, f32> = BTreeMap::new();
+        let mut key_of = BTreeMap::new();
+        for l in self
+            .plan
+            .layer(layer)
+            .filter(|l| l.treatment == Treatment::Nvfp4)
+        {
+            let w = weights.get(&format!("{}.weight", l.name))?;
+            let amax = w.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let key = l.fused_group.clone().unwrap_or_else(|| l.name.clone());
+            let entry = amax_of_group.entry(key.clone()).or_insert(0.0);
+            *entry = entry.max(amax);
+            key_of.insert(l.name.clone(), key);
+        }
+        key_of
+            .into_iter()
+            .map(|(name, key)| {
+                global_scale_from_amax(amax_of_group[&key])
+                    .map(|g| (name.clone(), g))
+                    .map_err(|source| PipelineError::Format {
+                        linear: name,
+                        source,
+                    })
+            })
+            .collect()
+    }
+
+    /// Re-runs the (now quantized) layer on every active sample: the next layer's inputs.
+    fn propagate(
+        &mut self,
+        layer: usize,
+        weights: &LayerWeights,
+        hidden: &mut HiddenStates<B>,
+        progress: &mut dyn Progress,
+    ) -> Result<(), PipelineError> {
+        let runner = self.runner;
+        let device_weights: DeviceLayerWeights<B> = runner.upload(weights)?;
+        for i in self.active.clone() {
+            match runner.run_layer_from(&device_weights, hidden.load(i), |_, _| {}) {
+                Ok(y) => hidden.store(i, y),
+                Err(e) => self.sample_failed(i, layer, e.to_string())?,
+            }
+            self.sample_memory();
+            progress.step();
+        }
+        sync::<B>(runner.device()).map_err(|message| PipelineError::Device { layer, message })
+    }
+}
+
+/// Hands a finished layer to `sink`: the solved linears, then every other tensor (`modified`
+/// names those smoothing changed).
+fn hand_over(
+    sink: &mut dyn LayerSink,
+    solved: &[(String, SolvedLinear)],
+    weights: &LayerWeights,
+    quantized: &BTreeSet<String>,
+    modified: &BTreeSet<String>,
+) -> Result<(), PipelineError> {
+    for (name, linear) in solved {
+        sink.quantized(name, linear)?;
+    }
+    for (name, tensor) in &weights.tensors {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        if !quantized.contains(module) {
+            sink.kept(name, tensor, modified.contains(name))?;
+        }
+    }
+    Ok(())
+}
+
+/// `Σ_rows Σ_j d_j (w − q)²`: the output error under a diagonal Hessian.
+fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
+    let cols = diag.len();
+    w.chunks_exact(cols)
+        .zip(q.chunks_exact(cols))
+        .map(|(wr, qr)| {
+            wr.iter()
+                .zip(qr)
+                .zip(diag)
+                .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
+                .sum::<f64>()
+        })
+        .sum()
+}
+
+fn treatment_label(t: &Treatment) -> String {
+    match t {
+        Treatment::Int { bits, group_size } => format!("INT{bits} g{group_size}"),
+        Treatment::Nvfp4 => "FP4".into(),
+        Treatment::Keep { .. } => "bf16".into(),
+    }
+}

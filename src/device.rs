@@ -1,0 +1,124 @@
+//! `--device cpu|cuda` for the command-line tools: which backend a job runs on, and what the GPU
+//! path changes in the options (bf16 storage, hidden states and statistics on the device).
+
+use burn::tensor::backend::Backend;
+use clap::ValueEnum;
+use sala_gptq::model::Numerics;
+use sala_gptq::{CpuBackend, MemoryProbe, QuantizeOptions};
+use std::error::Error;
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// Burn's ndarray backend in f32 (bf16 rounding emulated): the reference path.
+    Cpu,
+    /// burn-cuda in bf16 on GPU 0 (needs a binary built with `--features cuda`).
+    Cuda,
+}
+
+/// Whether this binary was built with the `cuda` feature.
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// The refusal of `--device cuda` in a binary built without the feature.
+pub fn cuda_missing(example: &str) -> String {
+    format!(
+        "--device cuda: this binary was built without the `cuda` feature; rebuild it with \
+         `cargo build --release --features cuda --example {example}`"
+    )
+}
+
+impl DeviceArg {
+    /// An error unless this binary can run on the device (checked before any work).
+    pub fn check_available(self, example: &str) -> Result<(), String> {
+        match self {
+            DeviceArg::Cuda if !CUDA_BUILT => Err(cuda_missing(example)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The GPU path's options: bf16 storage (or plain f32 with `f32`), hidden states on the
+    /// device within `max_device_memory_mb` MB, statistics on the device unless
+    /// `host_statistics`. The CPU path keeps `options` as they are.
+    pub fn configure(
+        self,
+        options: &mut QuantizeOptions,
+        f32: bool,
+        max_device_memory_mb: u64,
+        host_statistics: bool,
+    ) {
+        if self == DeviceArg::Cuda {
+            options.run.numerics = if f32 {
+                Numerics::F32
+            } else {
+                Numerics::Bf16Storage
+            };
+            options.max_device_memory = Some(max_device_memory_mb * 1_000_000);
+            options.device_statistics = !host_statistics;
+        }
+    }
+}
+
+/// A job that runs on any backend (the two command-line tools' bodies).
+pub trait DeviceJob {
+    /// What the job returns.
+    type Output;
+    /// Runs on `device` of backend `B`, with a device-memory probe on GPUs.
+    fn run<B: Backend>(
+        self,
+        device: B::Device,
+        memory: Option<MemoryProbe<B>>,
+    ) -> Result<Self::Output, Box<dyn Error>>;
+}
+
+/// Runs `job` on `device`'s backend; `example` names the binary in the refusal of
+/// `--device cuda` without the `cuda` feature.
+pub fn dispatch<J: DeviceJob>(
+    device: DeviceArg,
+    example: &str,
+    job: J,
+) -> Result<J::Output, Box<dyn Error>> {
+    match device {
+        DeviceArg::Cpu => job.run::<CpuBackend>(Default::default(), None),
+        DeviceArg::Cuda => run_cuda(example, job),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda<J: DeviceJob>(_example: &str, job: J) -> Result<J::Output, Box<dyn Error>> {
+    use sala_gptq::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
+    enable_kernel_cache();
+    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda<J: DeviceJob>(example: &str, _job: J) -> Result<J::Output, Box<dyn Error>> {
+    Err(cuda_missing(example).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_is_refused_exactly_when_the_feature_is_off() {
+        assert!(DeviceArg::Cpu.check_available("x").is_ok());
+        let cuda = DeviceArg::Cuda.check_available("quantize_sala");
+        assert_eq!(cuda.is_ok(), CUDA_BUILT);
+        if let Err(e) = cuda {
+            assert!(e.contains("--features cuda --example quantize_sala"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_gpu_path_moves_storage_and_statistics_to_the_device() {
+        let mut cpu = QuantizeOptions::new(sala_gptq::Recipe::Gptq);
+        let before = format!("{cpu:?}");
+        DeviceArg::Cpu.configure(&mut cpu, false, 1000, false);
+        assert_eq!(format!("{cpu:?}"), before);
+        let mut gpu = cpu.clone();
+        DeviceArg::Cuda.configure(&mut gpu, false, 1000, false);
+        assert_eq!(gpu.run.numerics, Numerics::Bf16Storage);
+        assert_eq!(gpu.max_device_memory, Some(1_000_000_000));
+        assert!(gpu.device_statistics);
+    }
+}
