@@ -5,26 +5,31 @@
 //! Bit-exactness with `sala_hessian::reference::nvfp4_block_search_naive`:
 //! - the candidate shrink factors `1 − i·max_shrink/iters` and `6·global_scale` are computed
 //!   on the host with the reference's own expressions and uploaded;
-//! - E4M3 values come from a 128-entry table (`sala_formats` decoding), and rounding to E4M3
-//!   is a search in that table: nearest value, ties to the even code (= even mantissa); both
-//!   distances are exact in f32 (Sterbenz), so the result equals `E4M3FN.encode_non_nan`;
-//! - E2M1 rounding is `e2m1_encode_fast` (midpoint comparisons, sign bit `x < 0`);
+//! - rounding a candidate to E4M3 works on its f32 bits: in the normal range the exponent
+//!   and the top three mantissa bits are the code, rounded to nearest-even on the 20 bits
+//!   below (a carry moves to the next binade, as it should); below 2⁻⁶ the code is
+//!   `s · 2⁹` (exact) rounded to nearest-even; decoding builds the f32 bits back. Both equal
+//!   `E4M3FN.encode_non_nan` / `decode` on `[2⁻⁹, 448]` (tested against them on every code
+//!   and every midpoint);
+//! - E2M1 rounding is `e2m1_encode_fast` (midpoint comparisons, sign bit `x < 0`), which also
+//!   yields the magnitude, so no table is read;
+//! - a block's 16 weights and channel weights are read once into registers;
 //! - the error sums the 16 terms in element order in f32 like `block_error`; every product
 //!   that feeds an addition is multiplied by a runtime `1.0` first, so that a GPU compiler
 //!   that contracts `a·b + c` into an FMA (CUDA does by default) contracts `(a·b)·1 + c`
 //!   instead, which rounds exactly like the reference's separate multiply and add.
 
 use cubecl::prelude::*;
-use sala_formats::minifloat::{E2M1_MAX, E2M1_VALUES, E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE};
+use sala_formats::minifloat::{E2M1_MAX, E4M3_MAX, E4M3_MIN_POSITIVE};
 use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{HessianError, Nvfp4BlockSearch, Nvfp4SearchResult};
+
+pub use self::bits::{e4m3_decode_bits, e4m3_encode_bits};
 
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::launch::elementwise;
 
-/// Largest E4M3FN code (448).
-const E4M3_MAX_CODE: u32 = 0x7E;
 /// The E4M3FN NaN code: the scale of a block with a non-finite weight.
 const E4M3_NAN_CODE: u32 = 0x7F;
 
@@ -111,13 +116,12 @@ pub fn nvfp4_block_search<R: Runtime>(
 ) -> Result<DeviceBlockSearch, KernelError> {
     weights.check("nvfp4 block search weights")?;
     let (rows, cols) = (weights.rows, weights.cols);
-    let h = channel_weights(search, rows, cols, diag_h, global_scale)?;
+    if rows == 0 || cols == 0 {
+        return Err(HessianError::Empty { what: "weights" }.into());
+    }
+    let h = search.channel_weights(cols, diag_h, global_scale)?;
     let blocks = rows * cols / NVFP4_BLOCK;
     let shrink: Vec<f32> = (0..search.iters).map(|i| search.shrink(i)).collect();
-    // Codes 0..=0x7F: the NaN code's entry keeps the final encode of a marked block in bounds.
-    let e4m3: Vec<f32> = (0..=E4M3_NAN_CODE as u8)
-        .map(|c| E4M3FN.decode(c))
-        .collect();
     let result = DeviceBlockSearch {
         rows,
         cols,
@@ -126,22 +130,16 @@ pub fn nvfp4_block_search<R: Runtime>(
         block_error: DeviceVec::zeros(client, blocks),
         codes: DeviceVec::zeros(client, rows * cols),
     };
-    let tables = Tables {
-        h: DeviceVec::upload(client, &h),
-        shrink: DeviceVec::upload(client, &shrink),
-        e4m3: DeviceVec::upload(client, &e4m3),
-        e2m1: DeviceVec::upload(client, &E2M1_VALUES[..8]),
-    };
+    let h = DeviceVec::upload(client, &h);
+    let shrink = DeviceVec::upload(client, &shrink);
     let (count, dim) = elementwise(client, blocks)?;
     block_search_kernel::launch::<R>(
         client,
         count,
         dim,
         array_arg(&weights.handle),
-        array_arg(&tables.h.handle),
-        array_arg(&tables.shrink.handle),
-        array_arg(&tables.e4m3.handle),
-        array_arg(&tables.e2m1.handle),
+        array_arg(&h.handle),
+        array_arg(&shrink.handle),
         array_arg(&result.block_scales.handle),
         array_arg(&result.block_error.handle),
         array_arg(&result.codes.handle),
@@ -160,78 +158,6 @@ pub fn nvfp4_block_search<R: Runtime>(
     );
     flush(client, "nvfp4 block search")?;
     Ok(result)
-}
-
-/// The uploaded lookup tables of one search.
-struct Tables {
-    h: DeviceVec<f32>,
-    shrink: DeviceVec<f32>,
-    e4m3: DeviceVec<f32>,
-    e2m1: DeviceVec<f32>,
-}
-
-/// Validates the inputs like the CPU search and returns `h = diag / max(diag)` (all ones
-/// when the diagonal is zero).
-fn channel_weights(
-    search: &Nvfp4BlockSearch,
-    rows: usize,
-    cols: usize,
-    diag_h: &[f32],
-    global_scale: f32,
-) -> Result<Vec<f32>, KernelError> {
-    search.validate()?;
-    if rows == 0 || cols == 0 {
-        return Err(HessianError::Empty { what: "weights" }.into());
-    }
-    if cols % NVFP4_BLOCK != 0 {
-        return Err(sala_formats::FormatError::NotDivisible {
-            what: "cols",
-            value: cols,
-            divisor: NVFP4_BLOCK,
-        }
-        .into());
-    }
-    if diag_h.len() != cols {
-        return Err(HessianError::DimensionMismatch {
-            what: "diagonal hessian vs weight columns",
-            left: diag_h.len(),
-            right: cols,
-        }
-        .into());
-    }
-    if let Some(j) = diag_h.iter().position(|v| !v.is_finite()) {
-        return Err(HessianError::NonFinite {
-            what: "diagonal hessian",
-            row: 0,
-            col: j,
-            value: diag_h[j] as f64,
-        }
-        .into());
-    }
-    if let Some(j) = diag_h.iter().position(|&v| v < 0.0) {
-        return Err(invalid(
-            "diagonal hessian",
-            format!("{} at column {j}", diag_h[j]),
-            "must be non-negative",
-        ));
-    }
-    if !(global_scale.is_finite() && global_scale > 0.0) {
-        return Err(invalid(
-            "global_scale",
-            global_scale.to_string(),
-            "must be positive and finite",
-        ));
-    }
-    let max = diag_h.iter().copied().fold(0.0f32, f32::max);
-    Ok(if max > 0.0 {
-        diag_h.iter().map(|&v| v / max).collect()
-    } else {
-        vec![1.0; cols]
-    })
-}
-
-fn invalid(name: &'static str, value: String, rule: &'static str) -> KernelError {
-    HessianError::InvalidOption { name, value, rule }.into()
 }
 
 /// The scalars of the search kernel.
@@ -263,8 +189,6 @@ fn block_search_kernel(
     w: &Array<f32>,
     h: &Array<f32>,
     shrink: &Array<f32>,
-    e4m3: &Array<f32>,
-    e2m1: &Array<f32>,
     scales: &mut Array<u32>,
     errors: &mut Array<f32>,
     codes: &mut Array<u32>,
@@ -275,10 +199,15 @@ fn block_search_kernel(
         let row = b / args.blocks_per_row;
         let col0 = (b % args.blocks_per_row) * 16;
         let base = args.w_offset + row * args.w_stride + col0;
+        let mut values = Array::<f32>::new(16usize);
+        let mut channel = Array::<f32>::new(16usize);
         let mut amax = 0.0f32;
         let mut finite = true;
+        #[unroll]
         for j in 0..16usize {
             let v = w[base + j];
+            values[j] = v;
+            channel[j] = h[col0 + j];
             if v.is_nan() || v.is_inf() {
                 finite = false;
             }
@@ -292,29 +221,30 @@ fn block_search_kernel(
         let mut best_err = args.infinity;
         let mut previous = 256u32;
         for i in 0..args.iters {
-            let s = clamp_scale(init * shrink[i]);
-            let byte = e4m3_encode(e4m3, s);
+            let byte = e4m3_encode(clamp_scale(init * shrink[i]));
             if byte != previous {
                 previous = byte;
-                let divisor = e4m3[byte as usize] * args.global;
-                let err = block_error(w, h, e2m1, base, col0, divisor, args.p, args.one);
+                let divisor = e4m3_decode(byte) * args.global;
+                let err = block_error(&values, &channel, divisor, args.p, args.one);
                 if err < best_err {
                     best_err = err;
                     best_byte = byte;
                 }
             }
         }
+        let mut divisor = e4m3_decode(best_byte) * args.global;
         if !finite {
             // The E4M3 NaN byte marks the block for `download` (which reports an error).
             best_byte = E4M3_NAN_CODE;
             best_err = args.infinity;
+            divisor = args.one;
         }
         scales[b] = best_byte;
         errors[b] = best_err;
-        let divisor = e4m3[best_byte as usize] * args.global;
         let out = row * args.blocks_per_row * 16 + col0;
+        #[unroll]
         for j in 0..16usize {
-            codes[out + j] = e2m1_encode(w[base + j] / divisor);
+            codes[out + j] = e2m1_round(values[j] / divisor).0;
         }
     }
 }
@@ -334,85 +264,86 @@ fn clamp_scale(s: f32) -> f32 {
     out
 }
 
-/// The E4M3 code nearest to `s` in `[2⁻⁹, 448]`, ties to the even code, by bisection over
-/// the table of positive values (codes 1..=0x7E are increasing).
+/// The E4M3 code nearest to `s` in `[2⁻⁹, 448]`, ties to the even code ([`bits`] has the
+/// same arithmetic on the host).
 #[cube]
-fn e4m3_encode(e4m3: &Array<f32>, s: f32) -> u32 {
-    // Largest code `lo` with e4m3[lo] <= s, bisecting `[lo, hi)` from `[1, 127)`: 126
-    // candidates, 7 halvings (a range of one is left alone: e4m3[lo] <= s).
-    let mut lo = 1u32;
-    let mut hi = 127u32;
-    for _ in 0..7u32 {
-        let mid = (lo + hi) / 2;
-        if e4m3[mid as usize] <= s {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
+fn e4m3_encode(s: f32) -> u32 {
+    // Below 2⁻⁶: `s · 2⁹` (exact) to nearest, ties to even.
+    let scaled = s * 512.0;
+    let m = u32::cast_from(scaled);
+    let fraction = scaled - f32::cast_from(m);
+    let mut code = m;
+    if fraction > 0.5 || (fraction == 0.5 && m % 2 == 1) {
+        code = m + 1;
     }
-    let mut code = lo;
-    if lo < E4M3_MAX_CODE {
-        // Both distances are exact (the neighbours are within a factor 2 of `s`).
-        let down = s - e4m3[lo as usize];
-        let up = e4m3[lo as usize + 1] - s;
-        if up < down || (up == down && lo % 2 == 1) {
-            code = lo + 1;
-        }
+    let x = u32::reinterpret(s);
+    if x >= bits::MIN_NORMAL_BITS {
+        code = ((x + 0x7FFFFu32 + ((x >> 20) & 1)) >> 20) - bits::CODE_BIAS;
     }
     code
 }
 
-/// `e2m1_encode_fast`: the index counts the midpoints below `|x|` (`>` sends a tie down,
-/// `>=` up, toward the even mantissa); the sign bit is `x < 0` (ModelOpt: `-0.0` → `+0`).
+/// The value of a positive E4M3 code (`1..=0x7E`).
 #[cube]
-fn e2m1_encode(x: f32) -> u32 {
+fn e4m3_decode(code: u32) -> f32 {
+    let mut value = f32::cast_from(code) * (1.0 / 512.0);
+    if code >= 8 {
+        value = f32::reinterpret((code + bits::CODE_BIAS) << 20);
+    }
+    value
+}
+
+/// `e2m1_encode_fast` and the code's magnitude: the index counts the midpoints below `|x|`
+/// (`>` sends a tie down, `>=` up, toward the even mantissa); the sign bit is `x < 0`
+/// (ModelOpt: `-0.0` → `+0`).
+#[cube]
+fn e2m1_round(x: f32) -> (u32, f32) {
     let a = x.abs();
     let mut index = 0u32;
+    let mut magnitude = 0.0f32;
     if a > 0.25 {
-        index += 1;
+        index = 1;
+        magnitude = 0.5;
     }
     if a >= 0.75 {
-        index += 1;
+        index = 2;
+        magnitude = 1.0;
     }
     if a > 1.25 {
-        index += 1;
+        index = 3;
+        magnitude = 1.5;
     }
     if a >= 1.75 {
-        index += 1;
+        index = 4;
+        magnitude = 2.0;
     }
     if a > 2.5 {
-        index += 1;
+        index = 5;
+        magnitude = 3.0;
     }
     if a >= 3.5 {
-        index += 1;
+        index = 6;
+        magnitude = 4.0;
     }
     if a > 5.0 {
-        index += 1;
+        index = 7;
+        magnitude = 6.0;
     }
     if x < 0.0 {
         index += 8;
     }
-    index
+    (index, magnitude)
 }
 
 /// `Σ_j |w_j − deq_j|^p · h_j` of one block under `divisor`, in element order.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn block_error(
-    w: &Array<f32>,
-    h: &Array<f32>,
-    e2m1: &Array<f32>,
-    base: usize,
-    col0: usize,
-    divisor: f32,
-    p: f32,
-    one: f32,
-) -> f32 {
+fn block_error(values: &Array<f32>, channel: &Array<f32>, divisor: f32, p: f32, one: f32) -> f32 {
     let mut err = 0.0f32;
+    #[unroll]
     for j in 0..16usize {
-        let v = w[base + j];
-        let code = e2m1_encode(v / divisor);
-        let deq = e2m1[(code % 8) as usize] * divisor;
+        let v = values[j];
+        let (code, magnitude) = e2m1_round(v / divisor);
+        let deq = magnitude * divisor;
         let mut sign = one;
         if code >= 8 {
             sign = -one;
@@ -425,7 +356,41 @@ fn block_error(
                 term = diff.powf(p);
             }
         }
-        err += (term * h[col0 + j]) * one;
+        err += (term * channel[j]) * one;
     }
     err
+}
+
+/// The kernel's E4M3 arithmetic on the host, where it is checked against `sala_formats`.
+pub mod bits {
+    /// `2⁻⁶` (the smallest normal E4M3 value) as f32 bits.
+    pub const MIN_NORMAL_BITS: u32 = 0x3C80_0000;
+    /// `(127 − 7) << 3`: f32's exponent bias minus E4M3's, in the code's position.
+    pub const CODE_BIAS: u32 = 120 << 3;
+
+    /// The E4M3 code nearest to `s` in `[2⁻⁹, 448]`, ties to the even code.
+    pub fn e4m3_encode_bits(s: f32) -> u32 {
+        let x = s.to_bits();
+        if x >= MIN_NORMAL_BITS {
+            ((x + 0x7FFFF + ((x >> 20) & 1)) >> 20) - CODE_BIAS
+        } else {
+            let scaled = s * 512.0;
+            let m = scaled as u32;
+            let fraction = scaled - m as f32;
+            if fraction > 0.5 || (fraction == 0.5 && m % 2 == 1) {
+                m + 1
+            } else {
+                m
+            }
+        }
+    }
+
+    /// The value of a positive E4M3 code (`1..=0x7E`).
+    pub fn e4m3_decode_bits(code: u32) -> f32 {
+        if code >= 8 {
+            f32::from_bits((code + CODE_BIAS) << 20)
+        } else {
+            code as f32 / 512.0
+        }
+    }
 }

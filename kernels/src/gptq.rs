@@ -5,11 +5,14 @@
 //! loop order (dead columns zeroed, act-order permutation applied) and `U [inp, inp]`, the
 //! upper Cholesky factor of the damped `H⁻¹` in the same order. For each block `[c0, c1)`:
 //!
-//! 1. the block kernel: one unit per output row runs the sequential column loop of the
-//!    block (group parameters at each group start from the row's *current* values, exactly
-//!    `IntQuantizer::params_for`; code; `e = (w − q)/U[c,c]`; `w[j] −= e·U[c,j]` for the rest
-//!    of the block) on a shared-memory tile of `rows_per_cube × block` weights, and writes the
-//!    codes, the group parameters and `E [out, c1−c0]`;
+//! 1. the block kernel: a team of [`TEAM`] units per output row runs the sequential column
+//!    loop of the block (group parameters at each group start from the row's *current*
+//!    values, exactly `IntQuantizer::params_for`; code; `e = (w − q)/U[c,c]`;
+//!    `w[j] −= e·U[c,j]` for the rest of the block). Each unit holds `block / TEAM` of the
+//!    row's block columns in registers; at column `c` its owner publishes the value through
+//!    shared memory, every unit computes the same code and error, and each updates its own
+//!    later columns (one barrier per column, the group ranges reduced over the team at the
+//!    same barrier). The kernel writes the codes, the group parameters and `E [out, c1−c0]`;
 //! 2. `W[:, c1:] −= E · U[c0:c1, c1:]` through the caller's [`Gemm`], on windows.
 //!
 //! Blocks are shortened like the CPU solver's (a group never starts inside a block and ends
@@ -30,8 +33,13 @@ use crate::launch::{check_addressable, cube_count};
 /// Largest lazy block (columns per kernel launch) accepted.
 pub const MAX_BLOCK: usize = 1024;
 
-/// Output rows per cube when shared memory allows (one plane on most GPUs).
-const ROWS_PER_CUBE: usize = 32;
+/// Units that share one output row in the block kernel (a team; the block's columns are dealt
+/// to them round-robin). A constant rather than the device's plane size, so that the kernel
+/// is the same on every runtime: the team talks through shared memory.
+pub const TEAM: usize = 32;
+
+/// Output rows per cube (teams per cube) when the device allows `TEAM · 4` units.
+const ROWS_PER_CUBE: usize = 4;
 
 /// The quantization grid and blocking of [`gptq_solve`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,10 +162,10 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         row_loss: DeviceVec::zeros(client, out),
         loss: 0.0,
     };
-    let errors = MatrixView::zeros(client, out, plan.block);
+    let errors = MatrixView::zeros(client, out, plan.choice.block);
     let mut c0 = 0;
     while c0 < inp {
-        let c1 = (c0 + plan.block).min(inp);
+        let c1 = (c0 + plan.choice.block).min(inp);
         let e = errors.window(0, 0, out, c1 - c0)?;
         plan.launch_block(client, w, u, &e, &result, c0, c1)?;
         if c1 < inp {
@@ -183,24 +191,19 @@ struct Plan {
     inp: usize,
     group_size: usize,
     quantizer: IntQuantizer,
-    /// Effective block length.
-    block: usize,
-    /// Rows per cube (units per cube), a power of two.
-    rows_per_cube: usize,
-    /// Whether the block's `U` is staged in shared memory.
-    stage_u: bool,
+    /// The launch layout.
+    choice: GptqLaunchChoice,
 }
 
-/// Which tile layout [`gptq_solve`] chose for a device and block size.
+/// The block kernel's layout on a device for a block size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptqLaunchChoice {
     /// Effective block length.
     pub block: usize,
-    /// Output rows (units) per cube.
+    /// Output rows (teams of [`TEAM`] units) per cube.
     pub rows_per_cube: usize,
-    /// Whether `U[c0:c1, c0:c1]` is staged in shared memory (else read from global memory,
-    /// where the units of a cube read the same element at the same time).
-    pub stage_u: bool,
+    /// Block columns each unit holds in registers (`block / TEAM`, rounded up).
+    pub columns_per_unit: usize,
 }
 
 /// The launch layout [`gptq_solve`] uses on this device for `inp` columns.
@@ -210,6 +213,12 @@ pub fn gptq_launch_choice<R: Runtime>(
     config: &DeviceGptqConfig,
 ) -> Result<GptqLaunchChoice, KernelError> {
     let gs = group_size(config, inp)?;
+    if config.block == 0 || config.block > MAX_BLOCK {
+        return Err(KernelError::unsupported(
+            "gptq block",
+            format!("{} columns (must be in 1..={MAX_BLOCK})", config.block),
+        ));
+    }
     layout(client, effective_block(config.block, gs, inp))
 }
 
@@ -221,31 +230,22 @@ fn group_size(config: &DeviceGptqConfig, inp: usize) -> Result<usize, KernelErro
     }
 }
 
-/// Rows per cube and `U` staging for a block: the weight and code tiles
-/// (`2 · block · rows · 4` bytes) must fit in shared memory; `U` (`block² · 4` bytes) is
-/// staged when it fits beside them.
+/// Teams per cube within the device's units per cube.
 fn layout<R: Runtime>(
     client: &ComputeClient<R>,
     block: usize,
 ) -> Result<GptqLaunchChoice, KernelError> {
-    let hw = &client.properties().hardware;
-    let shared = hw.max_shared_memory_size;
-    let tiles = |rows: usize| 2 * block * rows * size_of::<f32>();
-    let mut rows = ROWS_PER_CUBE.min(hw.max_units_per_cube as usize);
-    while rows > 1 && tiles(rows) > shared {
-        rows /= 2;
-    }
-    if tiles(rows) > shared {
+    let units = client.properties().hardware.max_units_per_cube as usize;
+    if units < TEAM {
         return Err(KernelError::unsupported(
             "gptq block",
-            format!("a block of {block} columns needs more than {shared} bytes of shared memory"),
+            format!("the device allows {units} units per cube, the kernel needs {TEAM}"),
         ));
     }
-    let stage_u = tiles(rows) + block * block * size_of::<f32>() <= shared;
     Ok(GptqLaunchChoice {
         block,
-        rows_per_cube: rows,
-        stage_u,
+        rows_per_cube: ROWS_PER_CUBE.min(units / TEAM),
+        columns_per_unit: block.div_ceil(TEAM),
     })
 }
 
@@ -273,22 +273,13 @@ impl Plan {
         }
         check_addressable("gptq codes", out * inp)?;
         let quantizer = IntQuantizer::new(config.bits, config.scheme)?;
-        let gs = group_size(config, inp)?;
-        if config.block == 0 || config.block > MAX_BLOCK {
-            return Err(KernelError::unsupported(
-                "gptq block",
-                format!("{} columns (must be in 1..={MAX_BLOCK})", config.block),
-            ));
-        }
-        let choice = layout(client, effective_block(config.block, gs, inp))?;
+        let choice = gptq_launch_choice(client, inp, config)?;
         Ok(Self {
             out,
             inp,
-            group_size: gs,
+            group_size: group_size(config, inp)?,
             quantizer,
-            block: choice.block,
-            rows_per_cube: choice.rows_per_cube,
-            stage_u: choice.stage_u,
+            choice,
         })
     }
 
@@ -304,7 +295,8 @@ impl Plan {
         c0: usize,
         c1: usize,
     ) -> Result<(), KernelError> {
-        let count = cube_count(client, self.out.div_ceil(self.rows_per_cube))?;
+        let rows = self.choice.rows_per_cube;
+        let count = cube_count(client, self.out.div_ceil(rows))?;
         let scheme = match self.quantizer.scheme() {
             IntScheme::SymmetricIst => SCHEME_IST,
             IntScheme::SymmetricAbsMax => SCHEME_ABSMAX,
@@ -313,7 +305,7 @@ impl Plan {
         gptq_block_kernel::launch::<R>(
             client,
             count,
-            CubeDim::new_1d(self.rows_per_cube as u32),
+            CubeDim::new_2d(TEAM as u32, rows as u32),
             array_arg(&w.handle),
             array_arg(&u.handle),
             array_arg(&e.handle),
@@ -337,15 +329,10 @@ impl Plan {
                 self.quantizer.maxq() as f32,
                 self.quantizer.symmetric_zero() as f32,
                 1.0,
+                f32::INFINITY,
             ),
-            self.rows_per_cube,
-            self.block,
-            self.stage_u,
-            if self.stage_u {
-                self.block * self.block
-            } else {
-                1
-            },
+            rows,
+            self.choice.columns_per_unit,
         );
         Ok(())
     }
@@ -401,13 +388,18 @@ struct GptqBlockArgs {
     /// A runtime 1.0: `x − (a·b)·one` rounds like the CPU's `x − a·b` even when the GPU
     /// compiler contracts it into an FMA (CUDA does by default).
     one: f32,
+    /// `f32::INFINITY`, the empty range's bound (WGSL has no infinity literal).
+    infinity: f32,
 }
 
-/// One unit per output row: the sequential column loop of one block on a shared tile.
+/// A team of [`TEAM`] units per output row (`UNIT_POS_X` the unit, `UNIT_POS_Y` the row in
+/// the cube): the sequential column loop of one block, the row's block columns in
+/// registers (unit `l` holds columns `l, l + TEAM, …`).
 ///
-/// Tiles are column-major in the cube (`tile[i·rows + t]` is column `i` of the cube's row
-/// `t`), so the units' accesses to one column are consecutive (no bank conflicts) and the
-/// cooperative loads and stores are coalesced along rows.
+/// Every barrier is reached by every unit of the cube (rows past `out` included: their
+/// memory accesses are skipped, not their steps). Shared values are double-buffered by the
+/// column's parity: a unit writes column `i + 1`'s while slower units may still read
+/// column `i`'s, never column `i − 1`'s (the barrier of column `i` separates them).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn gptq_block_kernel(
@@ -420,160 +412,176 @@ fn gptq_block_kernel(
     row_loss: &mut Array<f32>,
     args: &GptqBlockArgs,
     #[comptime] rows: usize,
-    #[comptime] block: usize,
-    #[comptime] stage_u: bool,
-    #[comptime] u_len: usize,
+    #[comptime] slots: usize,
 ) {
-    let t = UNIT_POS as usize;
-    let row0 = CUBE_POS * rows;
+    let lane = UNIT_POS_X as usize;
+    let local = UNIT_POS_Y as usize;
+    let r = CUBE_POS * rows + local;
+    let valid = r < args.out;
     let width = args.width;
-    let mut tile = SharedMemory::<f32>::new(rows * block);
-    let mut code_tile = SharedMemory::<u32>::new(rows * block);
-    let mut u_tile = SharedMemory::<f32>::new(u_len);
+    let gs = args.group_size;
+    // [parity][row] values of the current column, [parity][row][unit] partial group ranges.
+    let mut shared_x = SharedMemory::<f32>::new(2 * rows);
+    let mut shared_lo = SharedMemory::<f32>::new(2 * rows * TEAM);
+    let mut shared_hi = SharedMemory::<f32>::new(2 * rows * TEAM);
+    let mut shared_loss = SharedMemory::<f32>::new(rows * TEAM);
 
-    // Cooperative, coalesced load of the cube's rows of W[:, c0..c0+width].
-    let mut idx = t;
-    while idx < rows * width {
-        let rr = idx / width;
-        let cc = idx % width;
-        let row = row0 + rr;
-        if row < args.out {
-            tile[cc * rows + rr] = w[args.w_offset + row * args.w_stride + args.c0 + cc];
+    let mut values = Array::<f32>::new(slots);
+    let mut row_codes = Array::<u32>::new(slots);
+    #[unroll]
+    for s in 0..slots {
+        let j = s * TEAM + lane;
+        let mut v = 0.0f32;
+        if valid && j < width {
+            v = w[args.w_offset + r * args.w_stride + args.c0 + j];
         }
-        idx += rows;
+        values[s] = v;
+        row_codes[s] = 0u32;
     }
-    if stage_u {
-        let mut k = t;
-        while k < width * width {
-            let i = k / width;
-            let j = k % width;
-            u_tile[k] = u[args.u_offset + (args.c0 + i) * args.u_stride + args.c0 + j];
-            k += rows;
-        }
-    }
-    sync_cube();
 
-    let r = row0 + t;
-    if r < args.out {
-        let gs = args.group_size;
-        let param_row = r * args.groups;
-        // A block may start inside a group (groups longer than blocks): its parameters were
-        // written by the block where the group started.
-        let mut scale = scales[param_row + args.c0 / gs];
-        let mut zero = f32::cast_from(zeros[param_row + args.c0 / gs]);
-        let mut loss = 0.0f32;
-        for i in 0..width {
+    // A block may start inside a group (groups longer than blocks): its parameters were
+    // written by the block where the group started.
+    let param_row = r * args.groups;
+    let mut scale = 1.0f32;
+    let mut zero = 0.0f32;
+    if valid {
+        scale = scales[param_row + args.c0 / gs];
+        zero = f32::cast_from(zeros[param_row + args.c0 / gs]);
+    }
+    let u_row0 = args.u_offset + args.c0 * args.u_stride + args.c0;
+    let mut loss = 0.0f32;
+
+    #[unroll]
+    for s in 0..slots {
+        for l in 0..TEAM {
+            let i = s * TEAM + l;
+            let parity = i % 2;
             let c = args.c0 + i;
-            if c % gs == 0 {
-                let (lo, hi) = group_range(w, &tile, args, r, t, c, rows);
-                let params = group_params(lo, hi, args);
-                scale = params.0;
-                zero = params.1;
-                scales[param_row + c / gs] = scale;
-                zeros[param_row + c / gs] = u32::cast_from(zero);
+            let starts_group = i < width && c % gs == 0;
+            if starts_group {
+                let range = team_partial_range(w, &values, args, r, valid, lane, i, slots);
+                let at = (parity * rows + local) * TEAM + lane;
+                shared_lo[at] = range.0;
+                shared_hi[at] = range.1;
             }
-            let x = tile[i * rows + t];
-            let code = quantize(x, scale, zero, args.maxq);
-            let q = (scale * (code - zero)) * args.one;
-            let d = u_at(u, &u_tile, args, i, i, width, stage_u);
-            let err = (x - q) / d;
-            loss += err * err;
-            code_tile[i * rows + t] = u32::cast_from(code);
-            for j in i + 1..width {
-                let uij = u_at(u, &u_tile, args, i, j, width, stage_u);
-                tile[j * rows + t] = tile[j * rows + t] - (err * uij) * args.one;
+            if lane == l {
+                shared_x[parity * rows + local] = values[s];
             }
-            // Column i is final: the tile keeps its scaled error for the store below.
-            tile[i * rows + t] = err;
+            sync_cube();
+            if i < width {
+                if starts_group {
+                    let first = (parity * rows + local) * TEAM;
+                    let mut lo = shared_lo[first];
+                    let mut hi = shared_hi[first];
+                    for k in 1..TEAM {
+                        let range = widen(lo, hi, shared_lo[first + k]);
+                        lo = range.0;
+                        let range = widen(lo, hi, shared_hi[first + k]);
+                        hi = range.1;
+                    }
+                    let params = group_params(lo, hi, args);
+                    scale = params.0;
+                    zero = params.1;
+                    if valid && lane == 0 {
+                        scales[param_row + c / gs] = scale;
+                        zeros[param_row + c / gs] = u32::cast_from(zero);
+                    }
+                }
+                let x = shared_x[parity * rows + local];
+                let code = quantize(x, scale, zero, args.maxq);
+                let q = (scale * (code - zero)) * args.one;
+                let u_row = u_row0 + i * args.u_stride;
+                let err = (x - q) / u[u_row + i];
+                #[unroll]
+                for s2 in 0..slots {
+                    let j = s2 * TEAM + lane;
+                    if j > i && j < width {
+                        values[s2] = values[s2] - (err * u[u_row + j]) * args.one;
+                    }
+                }
+                if lane == l {
+                    // Column i is final: its slot keeps the scaled error for the store below.
+                    values[s] = err;
+                    row_codes[s] = u32::cast_from(code);
+                    loss += err * err;
+                }
+            }
         }
-        row_loss[r] = row_loss[r] + 0.5 * loss;
     }
+
+    shared_loss[local * TEAM + lane] = loss;
     sync_cube();
-
-    // Cooperative, coalesced store of the codes and of E.
-    let mut idx = t;
-    while idx < rows * width {
-        let rr = idx / width;
-        let cc = idx % width;
-        let row = row0 + rr;
-        if row < args.out {
-            codes[row * args.inp + args.c0 + cc] = code_tile[cc * rows + rr];
-            e[row * args.e_stride + cc] = tile[cc * rows + rr];
+    if valid && lane == 0 {
+        let mut total = 0.0f32;
+        for k in 0..TEAM {
+            total += shared_loss[local * TEAM + k];
         }
-        idx += rows;
+        row_loss[r] = row_loss[r] + 0.5 * total;
+    }
+    #[unroll]
+    for s in 0..slots {
+        let j = s * TEAM + lane;
+        if valid && j < width {
+            codes[r * args.inp + args.c0 + j] = row_codes[s];
+            e[r * args.e_stride + j] = values[s];
+        }
     }
 }
 
-/// `U[c0+i, c0+j]`, from the staged tile or from global memory.
-#[cube]
-fn u_at(
-    u: &Array<f32>,
-    u_tile: &SharedMemory<f32>,
-    args: &GptqBlockArgs,
-    i: usize,
-    j: usize,
-    width: usize,
-    #[comptime] stage_u: bool,
-) -> f32 {
-    if stage_u {
-        u_tile[i * width + j]
-    } else {
-        u[args.u_offset + (args.c0 + i) * args.u_stride + args.c0 + j]
-    }
-}
-
-/// `(min, max)` of the row's current values over the group starting at column `c`: from the
-/// tile inside the block, from `W` beyond it (those columns are up to date: groups that
-/// extend past a block start at its first column).
+/// This unit's `(min, max)` over the group starting at block column `i`: its own columns of
+/// the group inside the block, and every `TEAM`-th column of the group past the block's end
+/// (from `W`: those are up to date, since a group that extends past a block starts at its
+/// first column). `(+∞, −∞)` when the unit holds none.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn group_range(
+fn team_partial_range(
     w: &Array<f32>,
-    tile: &SharedMemory<f32>,
+    values: &Array<f32>,
     args: &GptqBlockArgs,
     r: usize,
-    t: usize,
-    c: usize,
-    #[comptime] rows: usize,
+    valid: bool,
+    lane: usize,
+    i: usize,
+    #[comptime] slots: usize,
 ) -> (f32, f32) {
-    let mut end = c + args.group_size;
-    if end > args.inp {
-        end = args.inp;
+    let mut lo = args.infinity;
+    let mut hi = -args.infinity;
+    let end = i + args.group_size;
+    #[unroll]
+    for s in 0..slots {
+        let j = s * TEAM + lane;
+        if j >= i && j < end && j < args.width {
+            let range = widen(lo, hi, values[s]);
+            lo = range.0;
+            hi = range.1;
+        }
     }
-    // Start from the first value (WGSL has no infinity literal); a group is never empty.
-    let first = row_value(w, tile, args, r, t, c, rows);
-    let mut lo = first;
-    let mut hi = first;
-    for col in c + 1..end {
-        let v = row_value(w, tile, args, r, t, col, rows);
-        if v < lo {
-            lo = v;
-        }
-        if v > hi {
-            hi = v;
-        }
+    let mut group_end = args.c0 + end;
+    if group_end > args.inp {
+        group_end = args.inp;
+    }
+    let mut col = args.c0 + args.width + lane;
+    while valid && col < group_end {
+        let range = widen(lo, hi, w[args.w_offset + r * args.w_stride + col]);
+        lo = range.0;
+        hi = range.1;
+        col += TEAM;
     }
     (lo, hi)
 }
 
-/// The current value of column `col` of row `r` (unit `t`): the tile inside the block,
-/// `W` after it.
+/// `[lo, hi]` widened to contain `v`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn row_value(
-    w: &Array<f32>,
-    tile: &SharedMemory<f32>,
-    args: &GptqBlockArgs,
-    r: usize,
-    t: usize,
-    col: usize,
-    #[comptime] rows: usize,
-) -> f32 {
-    if col < args.c0 + args.width {
-        tile[(col - args.c0) * rows + t]
-    } else {
-        w[args.w_offset + r * args.w_stride + col]
+fn widen(lo: f32, hi: f32, v: f32) -> (f32, f32) {
+    let mut out_lo = lo;
+    let mut out_hi = hi;
+    if v < lo {
+        out_lo = v;
     }
+    if v > hi {
+        out_hi = v;
+    }
+    (out_lo, out_hi)
 }
 
 /// `IntQuantizer::params_from_range`: `(scale, zero)` of a group of range `[lo, hi]`.

@@ -144,8 +144,22 @@ impl Nvfp4BlockSearch {
         diag_h: &[f32],
         global_scale: f32,
     ) -> Result<Vec<f32>, HessianError> {
-        self.validate()?;
         check_matrix("weights", weights.len(), rows, cols)?;
+        check_finite("weights", weights, cols)?;
+        self.channel_weights(cols, diag_h, global_scale)
+    }
+
+    /// Validates everything but the weights themselves (the options, `cols` a multiple of 16,
+    /// the diagonal `[cols]` finite and non-negative, the global scale positive and finite)
+    /// and returns the channel weights `h_j = diag_j / max(diag)` (all ones if the diagonal is
+    /// zero). For searches whose weights live elsewhere (a device) and are checked there.
+    pub fn channel_weights(
+        &self,
+        cols: usize,
+        diag_h: &[f32],
+        global_scale: f32,
+    ) -> Result<Vec<f32>, HessianError> {
+        self.validate()?;
         if cols % NVFP4_BLOCK != 0 {
             return Err(sala_formats::FormatError::NotDivisible {
                 what: "cols",
@@ -154,7 +168,6 @@ impl Nvfp4BlockSearch {
             }
             .into());
         }
-        check_finite("weights", weights, cols)?;
         if diag_h.len() != cols {
             return Err(HessianError::DimensionMismatch {
                 what: "diagonal hessian vs weight columns",

@@ -200,3 +200,44 @@ fn non_finite_weights_and_bad_inputs_are_errors() {
     };
     assert!(nvfp4_block_search(&client, &view, &[1.0; 32], 0.01, &bad).is_err());
 }
+
+/// The kernel's bit arithmetic (mirrored on the host in `block_search::bits`) against
+/// `sala_formats`' E4M3 on every code, every midpoint between neighbours and the floats just
+/// around it, and log-uniform values over the clamp range `[2⁻⁹, 448]`.
+#[test]
+fn e4m3_bit_arithmetic_equals_the_format_codec() {
+    use sala_formats::minifloat::{E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE};
+    use sala_kernels::block_search::{e4m3_decode_bits, e4m3_encode_bits};
+    let check = |s: f32| {
+        assert_eq!(
+            e4m3_encode_bits(s),
+            E4M3FN.encode_non_nan(s) as u32,
+            "encode {s:e} ({:#010x})",
+            s.to_bits()
+        );
+    };
+    for code in 1u8..=0x7E {
+        let value = E4M3FN.decode(code);
+        assert_eq!(e4m3_decode_bits(code as u32), value, "decode {code:#04x}");
+        check(value);
+        if code < 0x7E {
+            let mid = (value + E4M3FN.decode(code + 1)) / 2.0;
+            for s in [
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
+                check(s);
+            }
+        }
+    }
+    let mut rng = Rng::new(11);
+    let (lo, hi) = (E4M3_MIN_POSITIVE.ln(), E4M3_MAX.ln());
+    for _ in 0..200_000 {
+        check(
+            (lo + (hi - lo) * rng.uniform())
+                .exp()
+                .clamp(E4M3_MIN_POSITIVE, E4M3_MAX),
+        );
+    }
+}

@@ -4,7 +4,7 @@ use sala_formats::{IntQuantizer, IntScheme};
 use sala_hessian::faer::MatRef;
 use sala_hessian::reference::{gptq_column_loop, inverse_upper_textbook};
 use sala_hessian::Hessian;
-use sala_kernels::gptq::{effective_block, gptq_launch_choice};
+use sala_kernels::gptq::{effective_block, gptq_launch_choice, MAX_BLOCK, TEAM};
 use sala_kernels::{gptq_solve, CubeGemm, DeviceGptqConfig, KernelError, MatrixView};
 
 use crate::common::{client, Rng};
@@ -153,6 +153,18 @@ fn asymmetric_production_shape_128_128() {
 }
 
 #[test]
+fn wide_blocks_and_a_narrow_last_block() {
+    // Blocks of 256 (8 columns per unit), two groups per block, a last block of 64 columns.
+    let config = DeviceGptqConfig {
+        bits: 4,
+        group_size: Some(128),
+        scheme: IntScheme::SymmetricIst,
+        block: 256,
+    };
+    compare(37, 576, config, 5);
+}
+
+#[test]
 fn groups_longer_than_blocks_and_per_channel() {
     let long_groups = DeviceGptqConfig {
         bits: 4,
@@ -196,13 +208,24 @@ fn bad_configs_and_shapes_are_errors() {
         );
     }
     let choice = gptq_launch_choice(&client, 4096, &ok).unwrap();
-    eprintln!(
-        "gptq launch choice for blocks of 128 ({} bytes of shared memory): {choice:?}",
-        client.properties().hardware.max_shared_memory_size
+    eprintln!("gptq launch choice for blocks of 128: {choice:?}");
+    assert_eq!((choice.block, choice.columns_per_unit), (128, 128 / TEAM));
+    assert!(choice.rows_per_cube >= 1);
+    // Blocks that do not divide into the team leave the last unit columns idle.
+    let odd = DeviceGptqConfig {
+        block: 48,
+        group_size: Some(48),
+        ..ok
+    };
+    assert_eq!(
+        gptq_launch_choice(&client, 4096, &odd)
+            .unwrap()
+            .columns_per_unit,
+        2
     );
-    assert!(choice.rows_per_cube >= 1 && choice.block == 128);
-    // Blocks of 48 and 64 (the tests above) fit U in 32 KiB of shared memory: both the staged
-    // and the global-memory reads of U are exercised on lavapipe.
-    let small = DeviceGptqConfig { block: 48, ..ok };
-    assert!(gptq_launch_choice(&client, 4096, &small).unwrap().stage_u);
+    let too_long = DeviceGptqConfig {
+        block: MAX_BLOCK + 1,
+        ..ok
+    };
+    assert!(gptq_launch_choice(&client, 4096, &too_long).is_err());
 }
