@@ -12,11 +12,11 @@ use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
 use crate::smoothing::{fold_group, reader_map, smooth_group_of};
-use crate::solver::LinearSolver;
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
+use sala_hessian::solver::LinearSolver;
 use sala_hessian::{ChannelStats, Gptq, GptqConfig as SolverConfig, Hessian, IntGrid, Method};
 use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,

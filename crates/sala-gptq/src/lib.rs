@@ -32,7 +32,6 @@ pub mod plan;
 pub mod progress;
 pub mod report;
 pub mod smoothing;
-pub mod solver;
 mod stats;
 pub mod synthetic;
 
@@ -47,7 +46,8 @@ pub use plan::{
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{LayerReport, LinearReport, Report};
-pub use solver::{CpuSolver, LinearSolver};
+/// The solve stage's seam (from `sala-hessian`).
+pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};
 pub use synthetic::{Projection, SyntheticModel, SyntheticReport, SyntheticRun};
 
 pub use sala_calib as calib;

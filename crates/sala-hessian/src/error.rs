@@ -77,6 +77,10 @@ pub enum HessianError {
     /// An error from the number formats (bits, group size, block shape).
     #[error(transparent)]
     Format(#[from] FormatError),
+    /// A device (GPU) implementation of a solver failed: a launch, a read-back, an
+    /// unsupported size. The message is the device layer's.
+    #[error("device solver: {0}")]
+    Device(String),
 }
 
 /// Checks a row-major `[rows, cols]` buffer: not empty and of the right length.

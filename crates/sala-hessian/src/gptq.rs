@@ -16,7 +16,6 @@ use crate::error::HessianError;
 use crate::hessian::Hessian;
 use crate::inverse::{dead_columns, CholeskyInverse, Damping};
 use crate::quantized::{check_weights, dequantize, proxy_error, IntGrid, Method, QuantizedLinear};
-use crate::reference;
 use crate::rtn::Rtn;
 use crate::scalar::HessianScalar;
 
@@ -74,19 +73,62 @@ pub struct Gptq {
     quantizer: IntQuantizer,
 }
 
-/// Which column loop runs: the production blocked one or the textbook reference.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ColumnLoop {
-    Blocked,
-    Sequential,
+/// GPTQ's column loop over a prepared problem: the part of [`Gptq::solve`] that a device can
+/// run ([`Gptq::solve_with_loop`]). Implementations: [`BlockedLoop`] (the host's lazy-block
+/// loop, the default), [`reference::SequentialLoop`] (the textbook order) and the GPU kernels
+/// of `sala-kernels`.
+pub trait GptqColumnLoop {
+    /// Quantizes every column of `w` `[out, inp]` (row-major f32, loop order: dead columns
+    /// zeroed, act-order applied; a workspace the loop may overwrite) against the factor and
+    /// grid of `problem`.
+    fn run(
+        &self,
+        problem: &ColumnProblem<'_>,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution, HessianError>;
+}
+
+/// The host's lazy-block loop (faer GEMMs, rows in parallel with rayon): inner blocks of the
+/// configured size update their outer block (8 inner blocks) at once, the columns after it
+/// get one GEMM per outer block.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockedLoop;
+
+impl GptqColumnLoop for BlockedLoop {
+    fn run(
+        &self,
+        problem: &ColumnProblem<'_>,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution, HessianError> {
+        let (gs, inp) = (problem.group_size, problem.inp);
+        let use_static = problem.static_groups.is_some();
+        let block = effective_block(problem.block_size, gs, inp, use_static);
+        // A group that starts in one outer block and ends in the next would miss the first
+        // block's pending updates: only blocks contain whole groups then.
+        let whole_groups_in_blocks = use_static || gs >= inp || gs <= block;
+        // `block_size = 1` means no lazy batching at all (the textbook order).
+        let outer = if whole_groups_in_blocks && block > 1 {
+            block * OUTER_BLOCKS
+        } else {
+            block
+        };
+        Ok(blocked_loop(problem, w, block, outer))
+    }
 }
 
 /// The column loop's input, in loop (permuted) order.
-pub(crate) struct ColumnProblem<'a> {
+#[derive(Clone, Copy)]
+pub struct ColumnProblem<'a> {
+    /// The integer grid.
     pub quantizer: IntQuantizer,
+    /// Output rows.
     pub out: usize,
+    /// Input columns.
     pub inp: usize,
+    /// Columns per group (`inp` when per-channel).
     pub group_size: usize,
+    /// The configured lazy block (columns); loops shorten it so that groups stay whole.
+    pub block_size: usize,
     /// `U`, the upper Cholesky factor of the damped inverse Hessian, `[inp, inp]`.
     pub upper: MatRef<'a, f32>,
     /// Static groups: parameters `[out, groups]` and the group of each loop position.
@@ -94,22 +136,25 @@ pub(crate) struct ColumnProblem<'a> {
 }
 
 impl ColumnProblem<'_> {
+    /// Groups per row.
     pub fn groups(&self) -> usize {
         self.inp.div_ceil(self.group_size)
     }
 }
 
 /// The column loop's output, in loop order.
-pub(crate) struct ColumnSolution {
-    /// `[out, inp]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ColumnSolution {
+    /// Codes, `[out, inp]`.
     pub codes: Vec<u8>,
     /// Dynamic group parameters `[out, groups]` (unused with static groups).
     pub params_rows: Vec<QuantParams>,
-    /// `[inp]`.
+    /// `Σ_rows (w − q)²/(2·U[c,c]²)` of each column, `[inp]`.
     pub column_loss: Vec<f64>,
 }
 
 impl ColumnSolution {
+    /// All codes 0, all parameters `(1, 0)`, no loss: the loops' starting point.
     pub fn new(problem: &ColumnProblem<'_>) -> Self {
         let placeholder = QuantParams {
             scale: 1.0,
@@ -330,16 +375,19 @@ impl Gptq {
         inp: usize,
         h: &Hessian<T>,
     ) -> Result<QuantizedLinear, HessianError> {
-        self.solve_with(weights, out, inp, h, ColumnLoop::Blocked)
+        self.solve_with_loop(weights, out, inp, h, &BlockedLoop)
     }
 
-    pub(crate) fn solve_with<T: HessianScalar>(
+    /// [`Gptq::solve`] with another column loop (a GPU's): the preparation (checks, dead
+    /// columns, act-order, the damped inverse on the host, static groups) and the
+    /// finishing (un-permuting, dequantization, proxy error) stay the same.
+    pub fn solve_with_loop<T: HessianScalar, L: GptqColumnLoop + ?Sized>(
         &self,
         weights: &[f32],
         out: usize,
         inp: usize,
         h: &Hessian<T>,
-        kind: ColumnLoop,
+        column_loop: &L,
     ) -> Result<QuantizedLinear, HessianError> {
         check_weights(weights, out, inp, Some(h.dim()))?;
         h.check_finite()?;
@@ -371,28 +419,14 @@ impl Gptq {
             out,
             inp,
             group_size: gs,
+            block_size: cfg.block_size,
             upper: inverse.upper(),
             static_groups: static_params
                 .as_deref()
                 .map(|p| (p, static_group_of.as_slice())),
         };
         let mut w_loop = permute_columns(&w0, inp, &perm);
-        let sol = match kind {
-            ColumnLoop::Blocked => {
-                let block = effective_block(cfg.block_size, gs, inp, use_static);
-                // A group that starts in one outer block and ends in the next would miss the
-                // first block's pending updates: only blocks contain whole groups then.
-                let whole_groups_in_blocks = use_static || gs >= inp || gs <= block;
-                // `block_size = 1` means no lazy batching at all (the textbook order).
-                let outer = if whole_groups_in_blocks && block > 1 {
-                    block * OUTER_BLOCKS
-                } else {
-                    block
-                };
-                blocked_loop(&problem, &mut w_loop, block, outer)
-            }
-            ColumnLoop::Sequential => reference::sequential_loop(&problem, &mut w_loop),
-        };
+        let sol = column_loop.run(&problem, &mut w_loop)?;
         let groups = problem.groups();
         let (params, g_idx) = match &static_params {
             Some(p) => (

@@ -9,6 +9,8 @@
 //! - [`gptq`]: the GPTQ solver (lazy blocks, groups, act-order, static groups);
 //! - [`rtn`]: round-to-nearest with the same outputs (baseline and fallback);
 //! - [`block_search`]: the NVFP4 E4M3 block-scale search weighted by the diagonal Hessian;
+//! - [`solver`]: the seam a pipeline solves through ([`LinearSolver`]; [`CpuSolver`] runs
+//!   the solvers above, a GPU implementation plugs in);
 //! - [`reference`]: textbook versions that the optimised paths (and GPU kernels) are tested
 //!   against.
 //!
@@ -25,13 +27,16 @@ mod quantized;
 pub mod reference;
 pub mod rtn;
 mod scalar;
+pub mod solver;
 
 pub use block_search::{Nvfp4BlockSearch, Nvfp4SearchResult};
 pub use error::HessianError;
 /// The faer version this crate's matrices ([`Hessian::as_mat`], [`CholeskyInverse::upper`])
 /// come from.
 pub use faer;
-pub use gptq::{FailurePolicy, Gptq, GptqConfig};
+pub use gptq::{
+    BlockedLoop, ColumnProblem, ColumnSolution, FailurePolicy, Gptq, GptqColumnLoop, GptqConfig,
+};
 pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
@@ -40,3 +45,4 @@ pub use quantized::{IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{IntScheme, QuantParams};
 pub use scalar::{Activation, HessianScalar};
+pub use solver::{CpuSolver, LinearSolver};

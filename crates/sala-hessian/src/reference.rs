@@ -16,7 +16,9 @@ use sala_formats::{IntQuantizer, QuantParams, NVFP4_BLOCK};
 
 use crate::block_search::{block_error, encode_into, Nvfp4BlockSearch, Nvfp4SearchResult};
 use crate::error::HessianError;
-use crate::gptq::{quantize_column, ColumnLoop, ColumnProblem, ColumnSolution, Gptq, GptqConfig};
+use crate::gptq::{
+    quantize_column, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig,
+};
 use crate::hessian::{Hessian, Normalization};
 use crate::inverse::{dead_columns, mean_fixed_diagonal};
 use crate::quantized::QuantizedLinear;
@@ -31,7 +33,22 @@ pub fn gptq_sequential<T: HessianScalar>(
     inp: usize,
     h: &Hessian<T>,
 ) -> Result<QuantizedLinear, HessianError> {
-    Gptq::new(*config)?.solve_with(weights, out, inp, h, ColumnLoop::Sequential)
+    Gptq::new(*config)?.solve_with_loop(weights, out, inp, h, &SequentialLoop)
+}
+
+/// The textbook column loop as a [`GptqColumnLoop`]: one column at a time, each error
+/// applied to the rest of the row at once (no lazy blocks).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SequentialLoop;
+
+impl GptqColumnLoop for SequentialLoop {
+    fn run(
+        &self,
+        problem: &ColumnProblem<'_>,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution, HessianError> {
+        Ok(sequential_loop(problem, w))
+    }
 }
 
 /// The output of [`gptq_column_loop`], in the loop order of its input.
@@ -78,6 +95,7 @@ pub fn gptq_column_loop(
         out,
         inp,
         group_size: group_size.min(inp),
+        block_size: 1,
         upper,
         static_groups: None,
     };

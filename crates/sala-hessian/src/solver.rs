@@ -1,14 +1,13 @@
-//! The solve stage's seam: the pipeline hands each quantized linear's host weights and host
-//! statistics to a [`LinearSolver`]. [`CpuSolver`] (the default) runs `sala-hessian`'s solvers
-//! (faer + rayon); a GPU implementation (e.g. the `sala-kernels` CUDA solvers) plugs in with
-//! [`Pipeline::with_solver`](crate::Pipeline::with_solver) and must return the same results
-//! (it is checked against [`CpuSolver`] there).
+//! The solve stage's seam: a quantization pipeline (`sala-gptq`'s) hands each quantized
+//! linear's host weights and host statistics to a [`LinearSolver`]. [`CpuSolver`] (the
+//! default) runs this crate's solvers (faer + rayon); `sala-kernels`' `DeviceSolver` runs the
+//! column loop and the block search on a GPU and is tested against [`CpuSolver`].
 //!
 //! Everything crosses the seam on the host, in the layouts `sala-hessian` documents:
 //! weights row-major `[out, inp]` f32, Hessians `[inp, inp]` f64, the NVFP4 diagonal `[inp]`
 //! f32. Packing, smoothing, global scales and reports stay in the pipeline.
 
-use sala_hessian::{
+use crate::{
     Gptq, GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4SearchResult,
     QuantizedLinear, Rtn,
 };
