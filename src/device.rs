@@ -4,7 +4,7 @@
 use burn::tensor::backend::Backend;
 use clap::ValueEnum;
 use sala_gptq::model::Numerics;
-use sala_gptq::{CpuBackend, MemoryProbe, QuantizeOptions};
+use sala_gptq::{CpuBackend, CpuSolver, LinearSolver, MemoryProbe, QuantizeOptions};
 use std::error::Error;
 
 /// `--device`.
@@ -62,36 +62,68 @@ impl DeviceArg {
 pub trait DeviceJob {
     /// What the job returns.
     type Output;
-    /// Runs on `device` of backend `B`, with a device-memory probe on GPUs.
+    /// Runs on `device` of backend `B`, with a device-memory probe on GPUs, solving each
+    /// linear with `solver`.
     fn run<B: Backend>(
         self,
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
+        solver: Box<dyn LinearSolver>,
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
 
 /// Runs `job` on `device`'s backend; `example` names the binary in the refusal of
-/// `--device cuda` without the `cuda` feature.
+/// `--device cuda` without the `cuda` feature. On the GPU the linears are solved there too
+/// (`sala_kernels::DeviceSolver`: cuBLAS trailing updates, CubeCL column loop and block
+/// search) unless `host_solver`.
 pub fn dispatch<J: DeviceJob>(
     device: DeviceArg,
     example: &str,
+    host_solver: bool,
     job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
     match device {
-        DeviceArg::Cpu => job.run::<CpuBackend>(Default::default(), None),
-        DeviceArg::Cuda => run_cuda(example, job),
+        DeviceArg::Cpu => job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver)),
+        DeviceArg::Cuda => run_cuda(example, host_solver, job),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda<J: DeviceJob>(_example: &str, job: J) -> Result<J::Output, Box<dyn Error>> {
+fn run_cuda<J: DeviceJob>(
+    _example: &str,
+    host_solver: bool,
+    job: J,
+) -> Result<J::Output, Box<dyn Error>> {
     use sala_gptq::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
     enable_kernel_cache();
-    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory))
+    let solver: Box<dyn LinearSolver> = if host_solver {
+        Box::new(CpuSolver)
+    } else {
+        cuda_solver()?
+    };
+    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory), solver)
+}
+
+/// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,
+/// pedantic) for GPTQ's trailing updates.
+#[cfg(feature = "cuda")]
+fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
+    use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    use sala_kernels::cubecl::Runtime;
+    use sala_kernels::cuda::{Cublas, CublasGemm, Fp32Math};
+    use sala_kernels::DeviceSolver;
+    let client = CudaRuntime::client(&CudaDevice::default());
+    let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
+    let gemm = CublasGemm::new(std::sync::Arc::new(blas), Fp32Math::Pedantic);
+    Ok(Box::new(DeviceSolver::new(client, gemm, "cuda")))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda<J: DeviceJob>(example: &str, _job: J) -> Result<J::Output, Box<dyn Error>> {
+fn run_cuda<J: DeviceJob>(
+    example: &str,
+    _host_solver: bool,
+    _job: J,
+) -> Result<J::Output, Box<dyn Error>> {
     Err(cuda_missing(example).into())
 }
 

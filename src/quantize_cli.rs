@@ -11,8 +11,8 @@ use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
 use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, Numerics, SalaConfig};
 use sala_gptq::{
-    LayerBits, LayerReport, MemoryProbe, Nvfp4Coverage, Pipeline, Progress, QuantPlan,
-    QuantizeOptions, Recipe, Report, Sample, Stage,
+    LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
+    QuantPlan, QuantizeOptions, Recipe, Report, Sample, Stage,
 };
 use std::path::{Path, PathBuf};
 
@@ -127,6 +127,10 @@ pub struct Args {
     /// the device (slower; names a sample whose activations overflow).
     #[arg(long)]
     host_statistics: bool,
+    /// With `--device cuda`: solve GPTQ and the NVFP4 search on the host (faer, all cores)
+    /// instead of the GPU kernels.
+    #[arg(long)]
+    host_solver: bool,
     /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
     #[arg(long)]
     max_host_memory: Option<u64>,
@@ -264,7 +268,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         samples: &samples,
         quiet: args.quiet,
     };
-    let report = dispatch(args.device, "quantize_sala", job)?;
+    let report = dispatch(args.device, "quantize_sala", args.host_solver, job)?;
     let json = serde_json::to_string_pretty(
         &serde_json::json!({ "report": &report, "calibration": &stats }),
     )?;
@@ -293,8 +297,9 @@ impl DeviceJob for QuantizeJob<'_> {
         self,
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
+        solver: Box<dyn LinearSolver>,
     ) -> Result<Report, Box<dyn std::error::Error>> {
-        let mut pipeline = Pipeline::<B>::new(device, self.options);
+        let mut pipeline = Pipeline::<B>::new(device, self.options).with_solver(solver);
         if let Some(probe) = memory {
             pipeline = pipeline.with_memory_probe(probe);
         }

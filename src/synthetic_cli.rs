@@ -10,8 +10,8 @@ use sala_gptq::model::SalaConfig;
 use sala_gptq::report::device_memory_text;
 use sala_gptq::synthetic::{random_samples, PRODUCTION_TOKENS};
 use sala_gptq::{
-    CpuSolver, LayerReport, MemoryProbe, Progress, QuantizeOptions, Recipe, Sample, SyntheticModel,
-    SyntheticReport, SyntheticRun,
+    LayerReport, LinearSolver, MemoryProbe, Progress, QuantizeOptions, Recipe, Sample,
+    SyntheticModel, SyntheticReport, SyntheticRun,
 };
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -57,6 +57,9 @@ pub struct Args {
     /// With `--device cuda`: accumulate statistics on the host in f64.
     #[arg(long)]
     host_statistics: bool,
+    /// With `--device cuda`: solve on the host (faer) instead of the GPU kernels.
+    #[arg(long)]
+    host_solver: bool,
     /// Run in f32 without bf16 rounding or storage.
     #[arg(long)]
     f32: bool,
@@ -143,7 +146,7 @@ pub fn run(args: Args) -> Result<SyntheticReport, Box<dyn Error>> {
         seed: args.seed,
         target_tokens: args.target_tokens,
     };
-    let report = dispatch(args.device, "synthetic_sala", job)?;
+    let report = dispatch(args.device, "synthetic_sala", args.host_solver, job)?;
     print_summary(&report);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
@@ -169,13 +172,14 @@ impl DeviceJob for SyntheticJob<'_> {
         self,
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
+        solver: Box<dyn LinearSolver>,
     ) -> Result<SyntheticReport, Box<dyn Error>> {
         let model = SyntheticModel::<B>::new(self.config, self.seed, &device);
         let scratch = std::env::temp_dir();
         let run = SyntheticRun {
             model: &model,
             options: &self.options,
-            solver: &CpuSolver,
+            solver: solver.as_ref(),
             memory,
             layers: self.layers,
             target_tokens: self.target_tokens,

@@ -28,7 +28,7 @@ use sala_hessian::GptqConfig;
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
-use crate::launch::{check_addressable, cube_count};
+use crate::launch::{check_addressable, cube_count, elementwise};
 
 /// Largest lazy block (columns per kernel launch) accepted.
 pub const MAX_BLOCK: usize = 1024;
@@ -91,6 +91,8 @@ pub struct DeviceGptqResult {
     pub zeros: DeviceVec<u32>,
     /// `Σ_c (w − q)²/(2·U[c,c]²)` of each row (f32 sums of `e²/2`), `[out]`.
     pub row_loss: DeviceVec<f32>,
+    /// `Σ_r (w − q)²/(2·U[c,c]²)` of each column (f32 sums of `e²/2`), `[inp]`.
+    pub column_loss: DeviceVec<f32>,
     /// The total loss `Σ (w − q)²/(2·U[c,c]²)` (the rows' sums added in f64 on the host).
     pub loss: f64,
 }
@@ -102,6 +104,8 @@ pub struct HostGptqResult {
     pub codes: Vec<u8>,
     /// Group parameters, `[out, groups]` (row-major).
     pub params: Vec<QuantParams>,
+    /// Each column's loss, `[inp]`.
+    pub column_loss: Vec<f32>,
     /// The total loss.
     pub loss: f64,
 }
@@ -118,6 +122,7 @@ impl DeviceGptqResult {
         client: &ComputeClient<R>,
     ) -> Result<HostGptqResult, KernelError> {
         let codes = self.codes.download(client)?;
+        let column_loss = self.column_loss.download(client)?;
         let scales = self.scales.download(client)?;
         let zeros = self.zeros.download(client)?;
         Ok(HostGptqResult {
@@ -130,6 +135,7 @@ impl DeviceGptqResult {
                     zero: zero as u8,
                 })
                 .collect(),
+            column_loss,
             loss: self.loss,
         })
     }
@@ -160,6 +166,7 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         scales: DeviceVec::zeros(client, out * groups),
         zeros: DeviceVec::zeros(client, out * groups),
         row_loss: DeviceVec::zeros(client, out),
+        column_loss: DeviceVec::zeros(client, inp),
         loss: 0.0,
     };
     let errors = MatrixView::zeros(client, out, plan.choice.block);
@@ -168,6 +175,7 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         let c1 = (c0 + plan.choice.block).min(inp);
         let e = errors.window(0, 0, out, c1 - c0)?;
         plan.launch_block(client, w, u, &e, &result, c0, c1)?;
+        launch_column_loss(client, &e, &result.column_loss, c0)?;
         if c1 < inp {
             let u_rest = u.window(c0, c1, c1 - c0, inp - c1)?;
             let w_rest = w.window(0, c1, out, inp - c1)?;
@@ -183,6 +191,50 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         .map(|&l| l as f64)
         .sum();
     Ok(DeviceGptqResult { loss, ..result })
+}
+
+/// `column_loss[c0 + j] = ½ Σ_r E[r, j]²` for the block's error window `e`.
+fn launch_column_loss<R: Runtime>(
+    client: &ComputeClient<R>,
+    e: &MatrixView,
+    column_loss: &DeviceVec<f32>,
+    c0: usize,
+) -> Result<(), KernelError> {
+    let (count, dim) = elementwise(client, e.cols)?;
+    column_loss_kernel::launch::<R>(
+        client,
+        count,
+        dim,
+        array_arg(&e.handle),
+        array_arg(&column_loss.handle),
+        ColumnLossArgsLaunch::new(e.offset, e.row_stride, e.rows, e.cols, c0),
+    );
+    Ok(())
+}
+
+/// The scalars of the column-loss kernel.
+#[derive(CubeLaunch, CubeType)]
+struct ColumnLossArgs {
+    e_offset: usize,
+    e_stride: usize,
+    rows: usize,
+    cols: usize,
+    c0: usize,
+}
+
+/// One unit per block column: the rows' scaled errors squared, halved, in row order (the
+/// units of a cube read consecutive columns of one row at a time: coalesced).
+#[cube(launch)]
+fn column_loss_kernel(e: &Array<f32>, column_loss: &mut Array<f32>, args: &ColumnLossArgs) {
+    let j = ABSOLUTE_POS;
+    if j < args.cols {
+        let mut sum = 0.0f32;
+        for r in 0..args.rows {
+            let v = e[args.e_offset + r * args.e_stride + j];
+            sum += v * v;
+        }
+        column_loss[args.c0 + j] = 0.5 * sum;
+    }
 }
 
 /// The checked shapes and the launch choices of one solve.

@@ -9,7 +9,8 @@
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
 //! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
 //! - [`block_search`]: the NVFP4 block-scale search ([`nvfp4_block_search`]);
-//! - [`flip`]: `A ← P·A·P`, `P` the reversal ([`flip::reverse_in_place`]), for the cuSOLVER
+//! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device;
+//! - [`flip`]: `P·M·P`, `P` the reversal ([`flip::reversed`]), for the cuSOLVER
 //!   route to GPTQ's factor;
 //! - [`error`]: the one error type, [`KernelError`].
 
@@ -23,6 +24,7 @@ pub mod gemm;
 pub mod gptq;
 pub mod hessian;
 mod launch;
+pub mod solver;
 
 pub use block_search::{nvfp4_block_search, DeviceBlockSearch};
 pub use device::{DeviceVec, Element, MatrixView};
@@ -30,6 +32,7 @@ pub use error::KernelError;
 pub use gemm::{CubeGemm, Gemm};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
+pub use solver::DeviceSolver;
 
 /// The CubeCL version these kernels are written against (pinned `=0.10.0`).
 pub use cubecl;

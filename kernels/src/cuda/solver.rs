@@ -20,9 +20,9 @@ use cubecl::prelude::*;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
 
 use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
-use crate::device::{array_arg, DeviceVec, MatrixView};
+use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
-use crate::launch::elementwise;
+use crate::flip::reversed;
 
 /// A cuSOLVER dense handle bound to its own stream on the device's primary context.
 #[derive(Debug)]
@@ -131,7 +131,7 @@ pub fn inverse_upper_cusolver_timed(
         return Ok((MatrixView::zeros(client, 0, 0), timings));
     }
     let n_i32 = dim_i32("inverse n", n)?;
-    let work = reverse_matrix(client, h, false)?;
+    let work = reversed(client, h, false)?;
     let info = DeviceVec::<u32>::zeros(client, 1);
     let work_ptr = device_ptr(client, &work)?;
     let info_ptr = handle_ptr(client, &info.handle)?;
@@ -253,7 +253,7 @@ pub fn inverse_upper_cusolver_timed(
     check_info("cusolverDnXtrtri", trtri_info)?;
     drop(dev_workspace);
     timings.trtri_s = lap();
-    let u = reverse_matrix(client, &work, true)?;
+    let u = reversed(client, &work, true)?;
     sync_client(client)?;
     timings.finish_s = lap();
     Ok((u, timings))
@@ -277,70 +277,4 @@ fn check_info(what: &'static str, info: i32) -> Result<(), KernelError> {
         });
     }
     Ok(())
-}
-
-/// `P·M·P` of a square window `m` (`out[i, j] = m[n−1−i, n−1−j]`) as a new dense matrix; with
-/// `upper_only`, the strict lower triangle of the result is set to zero instead.
-pub fn reverse_matrix<R: Runtime>(
-    client: &ComputeClient<R>,
-    m: &MatrixView,
-    upper_only: bool,
-) -> Result<MatrixView, KernelError> {
-    m.check("reverse")?;
-    if m.rows != m.cols {
-        return Err(KernelError::shape(
-            "reverse",
-            format!("{}×{} is not square", m.rows, m.cols),
-        ));
-    }
-    let n = m.rows;
-    let out = client.empty((n * n).max(1) * size_of::<f32>());
-    if n > 0 {
-        let (count, dim) = elementwise(client, n * n)?;
-        reverse_kernel::launch::<R>(
-            client,
-            count,
-            dim,
-            array_arg(&m.handle),
-            array_arg(&out),
-            m.offset,
-            m.row_stride,
-            n,
-            upper_only,
-        );
-    }
-    Ok(MatrixView {
-        handle: out,
-        offset: 0,
-        rows: n,
-        cols: n,
-        row_stride: n,
-    })
-}
-
-/// `dst[i·n + j] = src[offset + (n−1−i)·stride + (n−1−j)]` (0 below the diagonal when
-/// `upper_only`), one unit per element.
-#[cube(launch)]
-fn reverse_kernel(
-    src: &Array<f32>,
-    dst: &mut Array<f32>,
-    offset: usize,
-    row_stride: usize,
-    n: usize,
-    #[comptime] upper_only: bool,
-) {
-    let idx = ABSOLUTE_POS;
-    if idx < n * n {
-        let (i, j) = (idx / n, idx % n);
-        let value = src[offset + (n - 1 - i) * row_stride + (n - 1 - j)];
-        if upper_only {
-            if i > j {
-                dst[idx] = 0.0;
-            } else {
-                dst[idx] = value;
-            }
-        } else {
-            dst[idx] = value;
-        }
-    }
 }

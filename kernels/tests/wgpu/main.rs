@@ -10,3 +10,4 @@ mod flip;
 mod gemm;
 mod gptq;
 mod hessian;
+mod solver;
