@@ -11,6 +11,9 @@
 # ones, and the script exits non-zero if any failed. Time limits per step (seconds) can be
 # changed with BENCH_TIMEOUT, TORCH_TIMEOUT; the defaults keep the run under 8 minutes.
 # PYTHON picks the interpreter (default python3).
+# SYNTHETIC=path/to/synthetic_sala (built with --features cuda) adds the synthetic full-size
+# run with the GPU solver -> OUT_DIR/synthetic.json (SYNTHETIC_ARGS sets its size, default
+# "--layers 3 --samples 2 --seq-len 1024"; SYNTHETIC_TIMEOUT its limit, default 300 s).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
@@ -94,6 +97,12 @@ if [ -f "$OUT/ours.json" ] && [ -f "$OUT/torch.json" ]; then
 else
     echo "== compare skipped: ours.json or torch.json missing" | tee -a "$SUMMARY"
     status=1
+fi
+if [ -n "${SYNTHETIC:-}" ]; then
+    # shellcheck disable=SC2086
+    step synthetic "${SYNTHETIC_TIMEOUT:-300}" env CUBECL_AUTOTUNE_LEVEL=minimal "$SYNTHETIC" \
+        --device cuda ${SYNTHETIC_ARGS:---layers 3 --samples 2 --seq-len 1024} \
+        --json "$OUT/synthetic.json"
 fi
 echo "== done, status $status; logs in $OUT" | tee -a "$SUMMARY"
 exit $status
