@@ -105,17 +105,22 @@ fn run_cuda<J: DeviceJob>(
 }
 
 /// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,
-/// pedantic) for GPTQ's trailing updates.
+/// pedantic) for GPTQ's trailing updates, cuSOLVER for its damped inverse.
 #[cfg(feature = "cuda")]
 fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
     use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     use sala_kernels::cubecl::Runtime;
-    use sala_kernels::cuda::{Cublas, CublasGemm, Fp32Math};
+    use sala_kernels::cuda::{Cublas, CublasGemm, Cusolver, CusolverFactorizer, Fp32Math};
     use sala_kernels::DeviceSolver;
+    use std::sync::Arc;
     let client = CudaRuntime::client(&CudaDevice::default());
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
-    let gemm = CublasGemm::new(std::sync::Arc::new(blas), Fp32Math::Pedantic);
-    Ok(Box::new(DeviceSolver::new(client, gemm, "cuda")))
+    let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
+    let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
+    let factorizer = CusolverFactorizer::new(client.clone(), Arc::new(lapack));
+    Ok(Box::new(
+        DeviceSolver::new(client, gemm, "cuda").with_factorizer(Box::new(factorizer)),
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -39,6 +39,14 @@ pub enum KernelError {
         /// Why.
         detail: String,
     },
+    /// A Cholesky factorization met a non-positive pivot (more damping is needed).
+    #[error(
+        "the matrix is not positive definite: first failing column {column} (more damping needed)"
+    )]
+    NotPositiveDefinite {
+        /// The first column (in the matrix's own order) whose pivot failed.
+        column: usize,
+    },
     /// Input rejected by the CPU crate's own validation (search options, quantizer).
     #[error(transparent)]
     Hessian(#[from] sala_hessian::HessianError),

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig, Hessian,
     HessianError, LinearSolver, Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear,
+    UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -28,6 +29,7 @@ pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     client: ComputeClient<R>,
     gemm: G,
     name: String,
+    factorizer: Option<Box<dyn UpperFactorizer>>,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -37,7 +39,14 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             client,
             gemm,
             name: name.into(),
+            factorizer: None,
         }
+    }
+
+    /// Factors GPTQ's damped Hessians with `factorizer` instead of faer on the host.
+    pub fn with_factorizer(mut self, factorizer: Box<dyn UpperFactorizer>) -> Self {
+        self.factorizer = Some(factorizer);
+        self
     }
 }
 
@@ -104,6 +113,10 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
             })
         };
         Ok(run()?)
+    }
+
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        self.factorizer.as_deref()
     }
 }
 

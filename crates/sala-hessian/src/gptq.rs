@@ -14,7 +14,7 @@ use sala_formats::{IntQuantizer, QuantParams};
 
 use crate::error::HessianError;
 use crate::hessian::Hessian;
-use crate::inverse::{dead_columns, CholeskyInverse, Damping};
+use crate::inverse::{dead_columns, CholeskyInverse, Damping, UpperFactorizer};
 use crate::quantized::{check_weights, dequantize, proxy_error, IntGrid, Method, QuantizedLinear};
 use crate::rtn::Rtn;
 use crate::scalar::HessianScalar;
@@ -86,6 +86,11 @@ pub trait GptqColumnLoop {
         problem: &ColumnProblem<'_>,
         w: &mut [f32],
     ) -> Result<ColumnSolution, HessianError>;
+
+    /// Who factors the damped Hessian: `None` (the default) is faer on the host.
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        None
+    }
 }
 
 /// The host's lazy-block loop (faer GEMMs, rows in parallel with rayon): inner blocks of the
@@ -395,7 +400,8 @@ impl Gptq {
         let gs = cfg.grid.effective_group_size(inp)?;
         let dead = dead_columns(h);
         let perm = column_order(h, &dead, cfg.act_order);
-        let inverse = match CholeskyInverse::with_order(h, &perm, &cfg.damping) {
+        let factorizer = column_loop.factorizer();
+        let inverse = match CholeskyInverse::with_order_using(h, &perm, &cfg.damping, factorizer) {
             Ok(inv) => inv,
             Err(HessianError::NotPositiveDefinite { .. })
                 if cfg.on_failure == FailurePolicy::Rtn =>

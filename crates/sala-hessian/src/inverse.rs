@@ -58,6 +58,17 @@ impl Damping {
     }
 }
 
+/// One damping attempt factored elsewhere than faer on the host (a GPU's Cholesky), for
+/// [`CholeskyInverse::with_order_using`].
+pub trait UpperFactorizer {
+    /// `U`, the upper Cholesky factor of `A⁻¹` (`Uᵀ·U = A⁻¹`, strict lower triangle zero), of
+    /// the symmetric `a` `[n, n]` (row-major f32: already permuted, dead columns given their
+    /// unit diagonal, damping added). `Ok(None)` when `a` is not positive definite: the caller
+    /// retries with more damping (as it does when `U` is not finite). `Err` for a failure of
+    /// the factorizer itself.
+    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError>;
+}
+
 /// The result of the damped inversion, in the column order it was computed for.
 #[derive(Debug, Clone)]
 pub struct CholeskyInverse {
@@ -86,6 +97,17 @@ impl CholeskyInverse {
         order: &[usize],
         damping: &Damping,
     ) -> Result<Self, HessianError> {
+        Self::with_order_using(h, order, damping, None)
+    }
+
+    /// [`CholeskyInverse::with_order`] with each damping attempt factored by `factorizer`
+    /// (a GPU's Cholesky) instead of faer on the host; `None` is the host.
+    pub fn with_order_using<T: HessianScalar>(
+        h: &Hessian<T>,
+        order: &[usize],
+        damping: &Damping,
+        factorizer: Option<&dyn UpperFactorizer>,
+    ) -> Result<Self, HessianError> {
         damping.validate()?;
         h.check_finite()?;
         check_permutation(order, h.dim())?;
@@ -94,7 +116,14 @@ impl CholeskyInverse {
         let mut percdamp = damping.percdamp;
         for attempt in 0..=damping.max_retries {
             let damp = percdamp * mean_diag;
-            if let Some(upper) = try_inverse_upper(h, order, &dead, damp) {
+            let upper = match factorizer {
+                None => try_inverse_upper(h, order, &dead, damp),
+                Some(f) => {
+                    let a = damped_permuted(h, order, &dead, damp);
+                    f.upper_factor(&a, h.dim())?.filter(all_finite)
+                }
+            };
+            if let Some(upper) = upper {
                 return Ok(Self {
                     upper,
                     dead: order.iter().map(|&i| dead[i]).collect(),
@@ -175,6 +204,39 @@ pub(crate) fn mean_fixed_diagonal<T: HessianScalar>(h: &Hessian<T>, dead: &[bool
     sum / h.dim() as f64
 }
 
+/// `P (H + λI) Pᵀ` (row `i` is row `order[i]` of `H`, dead columns with a unit diagonal)
+/// row-major in f32: what an [`UpperFactorizer`] gets.
+fn damped_permuted<T: HessianScalar>(
+    h: &Hessian<T>,
+    order: &[usize],
+    dead: &[bool],
+    damp: f64,
+) -> Vec<f32> {
+    let n = h.dim();
+    let mut a = vec![0.0f32; n * n];
+    for (i, row) in a.chunks_exact_mut(n).enumerate() {
+        let oi = order[i];
+        for (j, v) in row.iter_mut().enumerate() {
+            let oj = order[j];
+            *v = if i == j {
+                let d = if dead[oi] { 1.0 } else { h.get(oi, oi).into() };
+                (d + damp) as f32
+            } else {
+                h.get(oi.max(oj), oi.min(oj)).into() as f32
+            };
+        }
+    }
+    a
+}
+
+/// Whether every element of `m` is finite.
+fn all_finite(m: &Mat<f32>) -> bool {
+    m.as_ref()
+        .col_iter()
+        .flat_map(|c| c.iter())
+        .all(|v| v.is_finite())
+}
+
 /// One attempt: factor the damped, permuted matrix in reversed order, invert the factor.
 /// `None` when the factorization meets a non-positive pivot.
 fn try_inverse_upper<T: HessianScalar>(
@@ -221,13 +283,5 @@ fn try_inverse_upper<T: HessianScalar>(
             l_inv[(n - 1 - i, n - 1 - j)].to_f32()
         }
     });
-    if upper
-        .as_ref()
-        .col_iter()
-        .flat_map(|c| c.iter())
-        .any(|v| !v.is_finite())
-    {
-        return None;
-    }
-    Some(upper)
+    all_finite(&upper).then_some(upper)
 }

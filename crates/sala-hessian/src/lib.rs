@@ -40,7 +40,7 @@ pub use gptq::{
 pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
-pub use inverse::{CholeskyInverse, Damping};
+pub use inverse::{CholeskyInverse, Damping, UpperFactorizer};
 pub use quantized::{IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{IntScheme, QuantParams};

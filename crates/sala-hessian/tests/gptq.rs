@@ -6,8 +6,9 @@ use common::*;
 use proptest::prelude::*;
 use sala_hessian::reference::{gptq_sequential, inverse_upper_textbook};
 use sala_hessian::{
-    CholeskyInverse, Damping, FailurePolicy, Gptq, GptqConfig, Hessian, HessianError, IntGrid,
-    IntScheme, Method, QuantizedLinear, Rtn,
+    BlockedLoop, CholeskyInverse, ColumnProblem, ColumnSolution, Damping, FailurePolicy, Gptq,
+    GptqColumnLoop, GptqConfig, Hessian, HessianError, IntGrid, IntScheme, Method, QuantizedLinear,
+    Rtn, UpperFactorizer,
 };
 
 const SCHEMES: [IntScheme; 3] = [
@@ -377,4 +378,91 @@ proptest! {
         let (g, r) = (gptq.proxy_error.unwrap(), rtn.proxy_error.unwrap());
         prop_assert!(g <= r, "gptq {} > rtn {}", g, r);
     }
+}
+
+/// A factorizer on the host through the textbook route in f64: stands in for a GPU's
+/// Cholesky, and refuses its first `refuse` calls (a "not positive definite" device answer).
+struct TextbookFactorizer {
+    refuse: usize,
+    calls: std::cell::Cell<usize>,
+}
+
+impl UpperFactorizer for TextbookFactorizer {
+    fn upper_factor(
+        &self,
+        a: &[f32],
+        n: usize,
+    ) -> Result<Option<sala_hessian::faer::Mat<f32>>, HessianError> {
+        self.calls.set(self.calls.get() + 1);
+        if self.calls.get() <= self.refuse {
+            return Ok(None);
+        }
+        let a: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let u = inverse_upper_textbook(&Hessian::from_row_major(n, &a)?, 0.0)?;
+        Ok(Some(sala_hessian::faer::Mat::from_fn(n, n, |i, j| {
+            u[(i, j)] as f32
+        })))
+    }
+}
+
+/// A column loop that is the host's, with its damped inverse from a [`TextbookFactorizer`].
+struct FactoredElsewhere(TextbookFactorizer);
+
+impl GptqColumnLoop for FactoredElsewhere {
+    fn run(
+        &self,
+        problem: &ColumnProblem<'_>,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution, HessianError> {
+        BlockedLoop.run(problem, w)
+    }
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        Some(&self.0)
+    }
+}
+
+#[test]
+fn a_pluggable_factorizer_gives_the_same_inverse_and_retries_like_the_host() {
+    let inp = 48;
+    let h = correlated_hessian::<f64>(&mut rng(12), inp, 4, inp);
+    let order: Vec<usize> = (0..inp).rev().collect();
+    let damping = Damping::default();
+    let host = CholeskyInverse::with_order(&h, &order, &damping).unwrap();
+    let refusing = TextbookFactorizer {
+        refuse: 2,
+        calls: Default::default(),
+    };
+    let other = CholeskyInverse::with_order_using(&h, &order, &damping, Some(&refusing)).unwrap();
+    assert_eq!(refusing.calls.get(), 3);
+    assert_eq!(other.retries(), 2);
+    assert!((other.percdamp() - damping.percdamp * damping.growth.powi(2)).abs() < 1e-15);
+    let accepting = TextbookFactorizer {
+        refuse: 0,
+        calls: Default::default(),
+    };
+    let same = CholeskyInverse::with_order_using(&h, &order, &damping, Some(&accepting)).unwrap();
+    assert_eq!((same.retries(), same.damp()), (0, host.damp()));
+    let scale = (0..inp)
+        .map(|i| host.upper()[(i, i)].abs())
+        .fold(0.0, f32::max);
+    for i in 0..inp {
+        for j in 0..inp {
+            let (a, b) = (same.upper()[(i, j)], host.upper()[(i, j)]);
+            assert!((a - b).abs() <= 1e-5 * scale, "({i}, {j}): {a} vs {b}");
+        }
+    }
+
+    // Through a whole solve: the column loop's factorizer is the one used.
+    let (out, cfg) = (8, config(4, IntScheme::SymmetricIst, Some(16)));
+    let w = weights(&mut rng(13), out, inp);
+    let column_loop = FactoredElsewhere(TextbookFactorizer {
+        refuse: 1,
+        calls: Default::default(),
+    });
+    let solved = Gptq::new(cfg)
+        .unwrap()
+        .solve_with_loop(&w, out, inp, &h, &column_loop)
+        .unwrap();
+    assert_eq!(column_loop.0.calls.get(), 2);
+    assert_eq!(solved.damping_retries, 1);
 }

@@ -24,7 +24,10 @@ mod solver;
 
 pub use blas::{xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
-pub use solver::{inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, InverseTimings};
+pub use solver::{
+    inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
+    InverseTimings,
+};
 
 use std::sync::Arc;
 

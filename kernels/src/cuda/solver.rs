@@ -18,6 +18,9 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
+use sala_hessian::faer::Mat;
+use sala_hessian::{HessianError, UpperFactorizer};
+use std::sync::Arc;
 
 use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
 use crate::device::{DeviceVec, MatrixView};
@@ -72,6 +75,36 @@ fn solver_error(
     move |e| KernelError::Launch {
         what,
         message: format!("{e:?}"),
+    }
+}
+
+/// [`inverse_upper_cusolver`] as `sala-hessian`'s [`UpperFactorizer`]: GPTQ's damped
+/// inverse on the GPU inside [`DeviceSolver`](crate::DeviceSolver) (the factor goes back to
+/// the host for the solver's bookkeeping and up again for the column loop: 2·n² f32 of
+/// transfers against `2n³/3` flops of host Cholesky and inverse).
+pub struct CusolverFactorizer {
+    client: ComputeClient<CudaRuntime>,
+    solver: Arc<Cusolver>,
+}
+
+impl CusolverFactorizer {
+    /// A factorizer on `client`'s device with `solver`'s handle.
+    pub fn new(client: ComputeClient<CudaRuntime>, solver: Arc<Cusolver>) -> Self {
+        Self { client, solver }
+    }
+}
+
+impl UpperFactorizer for CusolverFactorizer {
+    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
+        let h = MatrixView::upload(&self.client, a, n, n)?;
+        match inverse_upper_cusolver(&self.client, &self.solver, &h) {
+            Ok(u) => {
+                let u = u.download(&self.client)?;
+                Ok(Some(Mat::from_fn(n, n, |i, j| u[i * n + j])))
+            }
+            Err(KernelError::NotPositiveDefinite { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
@@ -182,14 +215,9 @@ pub fn inverse_upper_cusolver_timed(
     if potrf_info > 0 {
         // The leading minor of order `potrf_info` of the reversed matrix failed: its last
         // column is column `n − potrf_info` of `h`.
-        let column = n - potrf_info as usize;
-        return Err(KernelError::unsupported(
-            "cholesky (H not positive definite)",
-            format!(
-                "potrf: the leading minor of order {potrf_info} of the reversed H is not \
-                 positive definite; first failing column of H: {column} (more damping needed)"
-            ),
-        ));
+        return Err(KernelError::NotPositiveDefinite {
+            column: n - potrf_info as usize,
+        });
     }
     check_info("cusolverDnSpotrf", potrf_info)?;
     drop(workspace);

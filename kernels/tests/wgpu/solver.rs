@@ -4,10 +4,15 @@
 
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::IntScheme;
+use sala_hessian::faer::Mat;
+use sala_hessian::reference::inverse_upper_textbook;
 use sala_hessian::{
     CpuSolver, GptqConfig, Hessian, HessianError, IntGrid, LinearSolver, Nvfp4BlockSearch,
+    UpperFactorizer,
 };
 use sala_kernels::{CubeGemm, DeviceSolver};
+use std::cell::Cell;
+use std::rc::Rc;
 
 use crate::common::{client, Rng, TestRuntime};
 
@@ -105,6 +110,48 @@ fn device_gptq_matches_the_host_solver() {
         let (a, b) = (gpu.proxy_error.unwrap(), cpu.proxy_error.unwrap());
         assert!(relative(a, b) < 2e-2, "{label}: proxy {a} vs {b}");
     }
+}
+
+/// The textbook inverse in f64 on the host, counting its calls: stands in for cuSOLVER
+/// (which needs CUDA) behind `DeviceSolver::with_factorizer`.
+struct CountingFactorizer(Rc<Cell<usize>>);
+
+impl UpperFactorizer for CountingFactorizer {
+    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
+        self.0.set(self.0.get() + 1);
+        let a: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let u = inverse_upper_textbook(&Hessian::from_row_major(n, &a)?, 0.0)?;
+        Ok(Some(Mat::from_fn(n, n, |i, j| u[(i, j)] as f32)))
+    }
+}
+
+#[test]
+fn the_damped_inverse_comes_from_the_given_factorizer() {
+    let calls = Rc::new(Cell::new(0));
+    let device = solver().with_factorizer(Box::new(CountingFactorizer(calls.clone())));
+    let (out, inp) = (24, 128);
+    let mut rng = Rng::new(23);
+    let h = hessian(&mut rng, inp);
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    let config = GptqConfig {
+        act_order: true,
+        ..GptqConfig::default()
+    };
+    let cpu = CpuSolver
+        .solve_gptq(&config, &weights, out, inp, &h)
+        .unwrap();
+    let gpu = device.solve_gptq(&config, &weights, out, inp, &h).unwrap();
+    assert_eq!(calls.get(), 1);
+    assert_eq!(
+        (gpu.damping_retries, gpu.g_idx.clone()),
+        (0, cpu.g_idx.clone())
+    );
+    assert!(
+        relative(gpu.loss, cpu.loss) < 1e-2,
+        "loss {} vs {}",
+        gpu.loss,
+        cpu.loss
+    );
 }
 
 #[test]
