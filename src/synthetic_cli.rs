@@ -10,11 +10,12 @@ use sala_gptq::model::SalaConfig;
 use sala_gptq::report::device_memory_text;
 use sala_gptq::synthetic::{random_samples, PRODUCTION_TOKENS};
 use sala_gptq::{
-    LayerReport, LinearSolver, MemoryProbe, Progress, QuantizeOptions, Recipe, Sample,
+    LayerReport, LinearSolver, MemoryProbe, Progress, QuantizeOptions, Recipe, Sample, Stage,
     SyntheticModel, SyntheticReport, SyntheticRun,
 };
 use std::error::Error;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// The released MiniCPM-SALA 9B `config.json` (a copy under `fixtures/`).
 pub const SALA_9B_CONFIG: &str = include_str!("../fixtures/minicpm-sala-9b-config.json");
@@ -185,14 +186,61 @@ impl DeviceJob for SyntheticJob<'_> {
             target_tokens: self.target_tokens,
             scratch: &scratch,
         };
-        Ok(run.run(self.samples, &mut LinePrinter)?)
+        Ok(run.run(self.samples, &mut LinePrinter::new())?)
     }
 }
 
-/// Prints each finished layer and every message, one line each.
-struct LinePrinter;
+/// Prints each finished layer and every message, one line each, and a timestamped line when
+/// a stage starts and when each linear is solved (a full-size layer takes minutes: this says
+/// where the time goes while it runs).
+struct LinePrinter {
+    start: Instant,
+    layer: usize,
+    stage: Option<Stage>,
+    steps: usize,
+    done: usize,
+}
+
+impl LinePrinter {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            layer: 0,
+            stage: None,
+            steps: 0,
+            done: 0,
+        }
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+}
 
 impl Progress for LinePrinter {
+    fn layer(&mut self, layer: usize) {
+        self.layer = layer;
+    }
+    fn stage(&mut self, stage: Stage, steps: usize) {
+        (self.stage, self.steps, self.done) = (Some(stage), steps, 0);
+        println!(
+            "  [{:8.1} s] layer {}: {stage:?} ({steps} steps)",
+            self.elapsed(),
+            self.layer
+        );
+    }
+    fn step(&mut self) {
+        self.done += 1;
+        if self.stage == Some(Stage::Solve) {
+            println!(
+                "  [{:8.1} s] layer {}: solved {}/{}",
+                self.elapsed(),
+                self.layer,
+                self.done,
+                self.steps
+            );
+        }
+    }
     fn layer_done(&mut self, report: &LayerReport) {
         println!("{report}");
     }

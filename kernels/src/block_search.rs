@@ -126,9 +126,9 @@ pub fn nvfp4_block_search<R: Runtime>(
         rows,
         cols,
         global_scale,
-        block_scales: DeviceVec::zeros(client, blocks),
-        block_error: DeviceVec::zeros(client, blocks),
-        codes: DeviceVec::zeros(client, rows * cols),
+        block_scales: DeviceVec::zeros(client, blocks)?,
+        block_error: DeviceVec::zeros(client, blocks)?,
+        codes: DeviceVec::zeros(client, rows * cols)?,
     };
     let h = DeviceVec::upload(client, &h);
     let shrink = DeviceVec::upload(client, &shrink);

@@ -7,11 +7,11 @@
 
 use std::marker::PhantomData;
 
-use cubecl::prelude::{ArrayArg, ComputeClient};
+use cubecl::prelude::*;
 use cubecl::server::Handle;
-use cubecl::Runtime;
 
 use crate::error::KernelError;
+use crate::launch::elementwise;
 
 /// A window of a dense row-major f32 matrix in device memory.
 #[derive(Clone, Debug)]
@@ -29,46 +29,52 @@ pub struct MatrixView {
 }
 
 /// Elements of 4 bytes the kernels read and write (`f32` values, `u32` codes).
-pub trait Element: Copy + Default + Send + Sync + 'static {
-    /// The value from its little-endian bytes (device buffers are little-endian on every
-    /// backend CubeCL supports).
-    fn from_le_bytes(bytes: [u8; 4]) -> Self;
-    /// The little-endian bytes of the value.
-    fn to_le_bytes(self) -> [u8; 4];
-}
+///
+/// Transfers reinterpret host slices as bytes (`bytemuck`): device buffers are little-endian on
+/// every backend CubeCL supports, and so is every host this crate builds for (checked below).
+pub trait Element: bytemuck::Pod + Default + Send + Sync {}
 
-impl Element for f32 {
-    fn from_le_bytes(bytes: [u8; 4]) -> Self {
-        f32::from_le_bytes(bytes)
-    }
-    fn to_le_bytes(self) -> [u8; 4] {
-        f32::to_le_bytes(self)
-    }
-}
+impl Element for f32 {}
 
-impl Element for u32 {
-    fn from_le_bytes(bytes: [u8; 4]) -> Self {
-        u32::from_le_bytes(bytes)
-    }
-    fn to_le_bytes(self) -> [u8; 4] {
-        u32::to_le_bytes(self)
-    }
-}
+impl Element for u32 {}
+
+#[cfg(target_endian = "big")]
+compile_error!("sala-kernels copies host memory to little-endian device buffers as it is");
 
 /// Bytes of one [`Element`].
 const ELEM_BYTES: usize = 4;
 
-/// Uploads `data`; an empty slice gets a one-element buffer (zero-sized bindings are invalid
-/// on wgpu).
+/// Uploads `data` (one host copy, no per-element work); an empty slice gets a one-element
+/// buffer (zero-sized bindings are invalid on wgpu).
 pub(crate) fn upload_slice<R: Runtime, T: Element>(
     client: &ComputeClient<R>,
     data: &[T],
 ) -> Handle {
-    let mut bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    if bytes.is_empty() {
-        bytes.resize(ELEM_BYTES, 0);
+    if data.is_empty() {
+        return client.create_from_slice(&[0u8; ELEM_BYTES]);
     }
-    client.create_from_slice(&bytes)
+    client.create_from_slice(bytemuck::cast_slice(data))
+}
+
+/// A new buffer of `len` zero elements (at least one), filled on the device: nothing crosses
+/// the bus, which matters for outputs the size of a weight matrix.
+pub(crate) fn zeroed<R: Runtime>(
+    client: &ComputeClient<R>,
+    len: usize,
+) -> Result<Handle, KernelError> {
+    let len = len.max(1);
+    let handle = client.empty(len * ELEM_BYTES);
+    let (count, dim) = elementwise(client, len)?;
+    fill_zero_kernel::launch::<R>(client, count, dim, array_arg(&handle), len);
+    Ok(handle)
+}
+
+/// `out[i] = 0` for `i < len` (the bit pattern of `0u32` and `0.0f32` alike).
+#[cube(launch)]
+fn fill_zero_kernel(out: &mut Array<u32>, len: usize) {
+    if ABSOLUTE_POS < len {
+        out[ABSOLUTE_POS] = 0u32;
+    }
 }
 
 /// Reads elements `[start, start + len)` of `handle` back to the host.
@@ -106,10 +112,8 @@ pub(crate) fn read_range<R: Runtime, T: Element>(
             message: format!("got {} bytes, expected {}", bytes.len(), len * ELEM_BYTES),
         });
     }
-    Ok(bytes[..len * ELEM_BYTES]
-        .chunks_exact(ELEM_BYTES)
-        .map(|c| T::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    // `pod_collect_to_vec` copies, so the host bytes need not be aligned for `T`.
+    Ok(bytemuck::pod_collect_to_vec(&bytes[..len * ELEM_BYTES]))
 }
 
 /// Elements of 4 bytes in the handle (after its own offsets, if any).
@@ -141,9 +145,13 @@ impl MatrixView {
         Ok(Self::dense(upload_slice(client, data), rows, cols))
     }
 
-    /// A new zero-filled `[rows, cols]` matrix.
-    pub fn zeros<R: Runtime>(client: &ComputeClient<R>, rows: usize, cols: usize) -> Self {
-        Self::dense(upload_slice(client, &vec![0.0f32; rows * cols]), rows, cols)
+    /// A new zero-filled `[rows, cols]` matrix (filled on the device).
+    pub fn zeros<R: Runtime>(
+        client: &ComputeClient<R>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
+        Ok(Self::dense(zeroed(client, rows * cols)?, rows, cols))
     }
 
     /// A dense view of a whole buffer.
@@ -258,9 +266,9 @@ impl<T: Element> DeviceVec<T> {
         Self::from_handle(upload_slice(client, data), data.len())
     }
 
-    /// A new vector of `len` default (zero) values.
-    pub fn zeros<R: Runtime>(client: &ComputeClient<R>, len: usize) -> Self {
-        Self::upload(client, &vec![T::default(); len])
+    /// A new vector of `len` zeros (filled on the device).
+    pub fn zeros<R: Runtime>(client: &ComputeClient<R>, len: usize) -> Result<Self, KernelError> {
+        Ok(Self::from_handle(zeroed(client, len)?, len))
     }
 
     pub(crate) fn from_handle(handle: Handle, len: usize) -> Self {

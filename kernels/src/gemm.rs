@@ -90,7 +90,7 @@ impl<R: Runtime> Gemm<R> for CubeGemm {
         }
         let product = if k == 0 || alpha == 0.0 {
             // BLAS semantics: `op(a)·op(b)` is not evaluated, `c` is only scaled.
-            MatrixView::zeros(client, m, n)
+            MatrixView::zeros(client, m, n)?
         } else {
             matmul_into_scratch(client, a, trans_a, b, trans_b, m, n)?
         };

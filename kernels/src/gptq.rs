@@ -28,7 +28,7 @@ use sala_hessian::GptqConfig;
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
-use crate::launch::{check_addressable, cube_count, elementwise};
+use crate::launch::{check_addressable, cube_count};
 
 /// Largest lazy block (columns per kernel launch) accepted.
 pub const MAX_BLOCK: usize = 1024;
@@ -162,20 +162,21 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         out,
         inp,
         group_size: gs,
-        codes: DeviceVec::zeros(client, out * inp),
-        scales: DeviceVec::zeros(client, out * groups),
-        zeros: DeviceVec::zeros(client, out * groups),
-        row_loss: DeviceVec::zeros(client, out),
-        column_loss: DeviceVec::zeros(client, inp),
+        codes: DeviceVec::zeros(client, out * inp)?,
+        scales: DeviceVec::zeros(client, out * groups)?,
+        zeros: DeviceVec::zeros(client, out * groups)?,
+        row_loss: DeviceVec::zeros(client, out)?,
+        column_loss: DeviceVec::zeros(client, inp)?,
         loss: 0.0,
     };
-    let errors = MatrixView::zeros(client, out, plan.choice.block);
+    // The scaled errors of every column (each block's window is the GEMM's left operand);
+    // kept whole so that the column losses are one reduction at the end, not one per block.
+    let errors = MatrixView::zeros(client, out, inp)?;
     let mut c0 = 0;
     while c0 < inp {
         let c1 = (c0 + plan.choice.block).min(inp);
-        let e = errors.window(0, 0, out, c1 - c0)?;
+        let e = errors.window(0, c0, out, c1 - c0)?;
         plan.launch_block(client, w, u, &e, &result, c0, c1)?;
-        launch_column_loss(client, &e, &result.column_loss, c0)?;
         if c1 < inp {
             let u_rest = u.window(c0, c1, c1 - c0, inp - c1)?;
             let w_rest = w.window(0, c1, out, inp - c1)?;
@@ -183,6 +184,7 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
         }
         c0 = c1;
     }
+    launch_column_loss(client, &errors, &result.column_loss)?;
     flush(client, "gptq")?;
     let loss = result
         .row_loss
@@ -193,21 +195,24 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
     Ok(DeviceGptqResult { loss, ..result })
 }
 
-/// `column_loss[c0 + j] = ½ Σ_r E[r, j]²` for the block's error window `e`.
+/// Row stripes per cube of the column-loss kernel (the cube is `TEAM × STRIPES` units).
+const STRIPES: usize = 8;
+
+/// `column_loss[j] = ½ Σ_r E[r, j]²` for the scaled errors `e [out, inp]`.
 fn launch_column_loss<R: Runtime>(
     client: &ComputeClient<R>,
     e: &MatrixView,
     column_loss: &DeviceVec<f32>,
-    c0: usize,
 ) -> Result<(), KernelError> {
-    let (count, dim) = elementwise(client, e.cols)?;
+    let count = cube_count(client, e.cols.div_ceil(TEAM))?;
     column_loss_kernel::launch::<R>(
         client,
         count,
-        dim,
+        CubeDim::new_2d(TEAM as u32, STRIPES as u32),
         array_arg(&e.handle),
         array_arg(&column_loss.handle),
-        ColumnLossArgsLaunch::new(e.offset, e.row_stride, e.rows, e.cols, c0),
+        ColumnLossArgsLaunch::new(e.offset, e.row_stride, e.rows, e.cols),
+        STRIPES,
     );
     Ok(())
 }
@@ -219,21 +224,40 @@ struct ColumnLossArgs {
     e_stride: usize,
     rows: usize,
     cols: usize,
-    c0: usize,
 }
 
-/// One unit per block column: the rows' scaled errors squared, halved, in row order (the
-/// units of a cube read consecutive columns of one row at a time: coalesced).
+/// A cube per [`TEAM`] columns: unit `(x, y)` sums column `x`'s squares over the rows
+/// `y, y + stripes, …` (each stripe of the cube reads consecutive columns of one row:
+/// coalesced), then the stripes' sums are added in a fixed order.
 #[cube(launch)]
-fn column_loss_kernel(e: &Array<f32>, column_loss: &mut Array<f32>, args: &ColumnLossArgs) {
-    let j = ABSOLUTE_POS;
+fn column_loss_kernel(
+    e: &Array<f32>,
+    column_loss: &mut Array<f32>,
+    args: &ColumnLossArgs,
+    #[comptime] stripes: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let stripe = UNIT_POS_Y as usize;
+    let j = CUBE_POS * TEAM + lane;
+    let mut partial = SharedMemory::<f32>::new(TEAM * stripes);
+    let mut sum = 0.0f32;
     if j < args.cols {
-        let mut sum = 0.0f32;
-        for r in 0..args.rows {
+        let mut r = stripe;
+        while r < args.rows {
             let v = e[args.e_offset + r * args.e_stride + j];
             sum += v * v;
+            r += stripes;
         }
-        column_loss[args.c0 + j] = 0.5 * sum;
+    }
+    partial[stripe * TEAM + lane] = sum;
+    sync_cube();
+    if stripe == 0 && j < args.cols {
+        let mut total = 0.0f32;
+        #[unroll]
+        for k in 0..stripes {
+            total += partial[k * TEAM + lane];
+        }
+        column_loss[j] = 0.5 * total;
     }
 }
 
@@ -370,6 +394,7 @@ impl Plan {
                 w.row_stride,
                 u.offset,
                 u.row_stride,
+                e.offset,
                 e.row_stride,
                 self.out,
                 self.inp,
@@ -424,6 +449,7 @@ struct GptqBlockArgs {
     w_stride: usize,
     u_offset: usize,
     u_stride: usize,
+    e_offset: usize,
     e_stride: usize,
     out: usize,
     inp: usize,
@@ -575,7 +601,7 @@ fn gptq_block_kernel(
         let j = s * TEAM + lane;
         if valid && j < width {
             codes[r * args.inp + args.c0 + j] = row_codes[s];
-            e[r * args.e_stride + j] = values[s];
+            e[args.e_offset + r * args.e_stride + j] = values[s];
         }
     }
 }

@@ -131,7 +131,7 @@ fn check_xtx(gpu: &Gpu) -> Stage<Row> {
         .map(|&v| data::f32_to_bf16(v))
         .collect();
     let xd = Bf16Matrix::upload(&gpu.client, &x, tokens, dim).map_err(|e| e.to_string())?;
-    let h = MatrixView::zeros(&gpu.client, dim, dim);
+    let h = MatrixView::zeros(&gpu.client, dim, dim).map_err(|e| e.to_string())?;
     xtx_bf16(&gpu.client, blas, &xd, &h, 1.0 / tokens as f32, 0.0).map_err(|e| e.to_string())?;
     let got = h.download(&gpu.client).map_err(|e| e.to_string())?;
     let xf = |t: usize, c: usize| data::bf16_to_f32(x[t * dim + c]) as f64;

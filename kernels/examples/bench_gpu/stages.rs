@@ -376,7 +376,7 @@ fn hessian_stages(
         rows.push(stage("hessian_cublas_bf16", || {
             let blas = gpu.blas()?;
             let xd = Bf16Matrix::upload(&gpu.client, x, tokens, inp).map_err(msg)?;
-            let h = MatrixView::zeros(&gpu.client, inp, inp);
+            let h = MatrixView::zeros(&gpu.client, inp, inp).map_err(msg)?;
             let alpha = 1.0 / tokens as f32;
             let (t, ()) = time_it(
                 args.warmup,
@@ -391,7 +391,7 @@ fn hessian_stages(
         rows.push(stage("hessian_cubecl_f32", || {
             let xf: Vec<f32> = x.iter().map(|&b| data::bf16_to_f32(b)).collect();
             let xd = gpu.upload(&xf, tokens, inp)?;
-            let h = MatrixView::zeros(&gpu.client, inp, inp);
+            let h = MatrixView::zeros(&gpu.client, inp, inp).map_err(msg)?;
             let weight = 1.0 / tokens as f32;
             // First run on zeros = the result to check (and the warm-up); the timed runs
             // then keep accumulating into the same buffer.

@@ -245,9 +245,8 @@ impl Bf16Matrix {
                 format!("{} values for a {rows}×{cols} matrix", bits.len()),
             ));
         }
-        let bytes: Vec<u8> = bits.iter().flat_map(|v| v.to_le_bytes()).collect();
         Ok(Self {
-            handle: client.create_from_slice(&bytes),
+            handle: client.create_from_slice(bytemuck::cast_slice(bits)),
             rows,
             cols,
         })

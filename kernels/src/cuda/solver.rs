@@ -161,11 +161,11 @@ pub fn inverse_upper_cusolver_timed(
         ));
     }
     if n == 0 {
-        return Ok((MatrixView::zeros(client, 0, 0), timings));
+        return Ok((MatrixView::zeros(client, 0, 0)?, timings));
     }
     let n_i32 = dim_i32("inverse n", n)?;
     let work = reversed(client, h, false)?;
-    let info = DeviceVec::<u32>::zeros(client, 1);
+    let info = DeviceVec::<u32>::zeros(client, 1)?;
     let work_ptr = device_ptr(client, &work)?;
     let info_ptr = handle_ptr(client, &info.handle)?;
     sync_client(client)?;

@@ -146,9 +146,9 @@ fn gemm_leaves_the_rest_of_the_buffer_alone_and_ignores_c_when_beta_is_zero() {
 #[test]
 fn gemm_rejects_mismatched_shapes_and_windows_outside_their_buffer() {
     let client = client();
-    let a = MatrixView::zeros(&client, 4, 5);
-    let b = MatrixView::zeros(&client, 6, 3);
-    let c = MatrixView::zeros(&client, 4, 3);
+    let a = MatrixView::zeros(&client, 4, 5).unwrap();
+    let b = MatrixView::zeros(&client, 6, 3).unwrap();
+    let c = MatrixView::zeros(&client, 4, 3).unwrap();
     let err = CubeGemm
         .gemm(&client, 1.0, &a, false, &b, false, 0.0, &c)
         .unwrap_err();

@@ -186,10 +186,10 @@ fn groups_longer_than_blocks_and_per_channel() {
 #[test]
 fn bad_configs_and_shapes_are_errors() {
     let client = client();
-    let w = MatrixView::zeros(&client, 4, 16);
-    let u = MatrixView::zeros(&client, 16, 16);
+    let w = MatrixView::zeros(&client, 4, 16).unwrap();
+    let u = MatrixView::zeros(&client, 16, 16).unwrap();
     let ok = DeviceGptqConfig::default();
-    let bad_u = MatrixView::zeros(&client, 15, 16);
+    let bad_u = MatrixView::zeros(&client, 15, 16).unwrap();
     assert!(matches!(
         gptq_solve(&client, &CubeGemm, &w, &bad_u, &ok),
         Err(KernelError::Shape { .. })

@@ -17,7 +17,7 @@ fn accumulated_xtx_matches_the_naive_hessian_for_both_normalizations() {
         .map(|&tokens| (rng.vec(tokens * dim), tokens))
         .collect();
     for normalization in [Normalization::PerSample, Normalization::PerToken] {
-        let h = MatrixView::zeros(&client, dim, dim);
+        let h = MatrixView::zeros(&client, dim, dim).unwrap();
         for (x, tokens) in &samples {
             let x = MatrixView::upload(&client, x, *tokens, dim).unwrap();
             let weight = normalization_weight(normalization, x.rows);
@@ -44,8 +44,8 @@ fn accumulated_xtx_matches_the_naive_hessian_for_both_normalizations() {
 #[test]
 fn accumulate_xtx_checks_shapes() {
     let client = client();
-    let x = MatrixView::zeros(&client, 5, 8);
-    let h = MatrixView::zeros(&client, 8, 7);
+    let x = MatrixView::zeros(&client, 5, 8).unwrap();
+    let h = MatrixView::zeros(&client, 8, 7).unwrap();
     let err = accumulate_xtx(&client, &CubeGemm, &x, 1.0, &h).unwrap_err();
     assert!(matches!(err, KernelError::Shape { .. }), "{err}");
 }

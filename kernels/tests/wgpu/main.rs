@@ -10,4 +10,5 @@ mod flip;
 mod gemm;
 mod gptq;
 mod hessian;
+mod memory;
 mod solver;
