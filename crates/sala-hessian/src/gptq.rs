@@ -447,14 +447,11 @@ impl Gptq {
                 (transpose(&sol.params_rows, out, groups), g_idx)
             }
         };
-        let mut codes = vec![0u8; out * inp];
         let mut column_loss = vec![0.0f64; inp];
         for (c, &j) in perm.iter().enumerate() {
             column_loss[j] = sol.column_loss[c];
-            for r in 0..out {
-                codes[r * inp + j] = sol.codes[r * inp + c];
-            }
         }
+        let codes = unpermute_columns(&sol.codes, inp, &perm);
         let dequantized = dequantize(&codes, &params, &g_idx, out);
         let proxy = cfg
             .proxy_error
@@ -505,11 +502,34 @@ fn column_order<T: HessianScalar>(h: &Hessian<T>, dead: &[bool], act_order: bool
     order
 }
 
+/// `W[:, order[c]] = Wp[:, c]`: the inverse of [`permute_columns`], rows in parallel.
+fn unpermute_columns<X: Copy + Default + Send + Sync>(
+    wp: &[X],
+    inp: usize,
+    order: &[usize],
+) -> Vec<X> {
+    let mut w = vec![X::default(); wp.len()];
+    w.par_chunks_mut(inp)
+        .zip(wp.par_chunks(inp))
+        .for_each(|(row, row_p)| {
+            for (&j, &v) in order.iter().zip(row_p) {
+                row[j] = v;
+            }
+        });
+    w
+}
+
 /// `Wp[:, c] = W[:, order[c]]`.
 fn permute_columns(w: &[f32], inp: usize, order: &[usize]) -> Vec<f32> {
-    w.chunks_exact(inp)
-        .flat_map(|row| order.iter().map(move |&j| row[j]))
-        .collect()
+    let mut wp = vec![0.0f32; w.len()];
+    wp.par_chunks_mut(inp)
+        .zip(w.par_chunks(inp))
+        .for_each(|(row_p, row)| {
+            for (v, &j) in row_p.iter_mut().zip(order) {
+                *v = row[j];
+            }
+        });
+    wp
 }
 
 /// Parameters of every group from the (dead-zeroed, un-permuted) weight, `[out, groups]`.

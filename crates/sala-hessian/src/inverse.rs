@@ -10,6 +10,7 @@ use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Mat, MatRef, Par};
+use rayon::prelude::*;
 
 use crate::error::HessianError;
 use crate::hessian::Hessian;
@@ -214,7 +215,7 @@ fn damped_permuted<T: HessianScalar>(
 ) -> Vec<f32> {
     let n = h.dim();
     let mut a = vec![0.0f32; n * n];
-    for (i, row) in a.chunks_exact_mut(n).enumerate() {
+    a.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
         let oi = order[i];
         for (j, v) in row.iter_mut().enumerate() {
             let oj = order[j];
@@ -225,16 +226,32 @@ fn damped_permuted<T: HessianScalar>(
                 h.get(oi.max(oj), oi.min(oj)).into() as f32
             };
         }
-    }
+    });
     a
 }
 
-/// Whether every element of `m` is finite.
+/// Whether every element of `m` is finite (columns in parallel).
 fn all_finite(m: &Mat<f32>) -> bool {
-    m.as_ref()
-        .col_iter()
-        .flat_map(|c| c.iter())
-        .all(|v| v.is_finite())
+    m.par_col_iter().all(|c| c.iter().all(|v| v.is_finite()))
+}
+
+/// The row-major `[n, n]` `values` as a faer matrix (columns filled in parallel): how an
+/// [`UpperFactorizer`] that computes in row-major memory hands its factor back.
+pub fn mat_from_row_major(values: &[f32], n: usize) -> Result<Mat<f32>, HessianError> {
+    if values.len() != n * n {
+        return Err(HessianError::LengthMismatch {
+            what: "row-major factor",
+            expected: n * n,
+            actual: values.len(),
+        });
+    }
+    let mut m = Mat::<f32>::zeros(n, n);
+    m.par_col_iter_mut().enumerate().for_each(|(j, col)| {
+        for (i, v) in col.iter_mut().enumerate() {
+            *v = values[i * n + j];
+        }
+    });
+    Ok(m)
 }
 
 /// One attempt: factor the damped, permuted matrix in reversed order, invert the factor.
@@ -284,4 +301,31 @@ fn try_inverse_upper<T: HessianScalar>(
         }
     });
     all_finite(&upper).then_some(upper)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_major_values_land_at_their_row_and_column() {
+        let n = 5;
+        let values: Vec<f32> = (0..n * n).map(|k| k as f32 * 0.5 - 3.0).collect();
+        let m = mat_from_row_major(&values, n).unwrap();
+        for i in 0..n {
+            for j in 0..n {
+                assert_eq!(m[(i, j)], values[i * n + j], "({i}, {j})");
+            }
+        }
+        assert!(all_finite(&m));
+        let err = mat_from_row_major(&values[1..], n).unwrap_err();
+        assert!(err.to_string().contains("row-major factor"), "{err}");
+    }
+
+    #[test]
+    fn a_single_non_finite_value_is_found() {
+        let mut values = vec![1.0f32; 64 * 64];
+        values[63 * 64 + 17] = f32::NAN;
+        assert!(!all_finite(&mat_from_row_major(&values, 64).unwrap()));
+    }
 }

@@ -3,6 +3,7 @@
 
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::{Accum, Mat, MatRef, Par};
+use rayon::prelude::*;
 use sala_formats::{GptqPacked, IntQuantizer, IntScheme, QuantParams, ZeroConvention};
 
 use crate::error::{check_finite, check_matrix, HessianError};
@@ -144,14 +145,17 @@ pub(crate) fn dequantize(
     out: usize,
 ) -> Vec<f32> {
     let inp = g_idx.len();
-    codes
-        .iter()
+    let mut values = vec![0.0f32; codes.len()];
+    values
+        .par_chunks_mut(inp.max(1))
+        .zip(codes.par_chunks(inp.max(1)))
         .enumerate()
-        .map(|(i, &code)| {
-            let (r, c) = (i / inp, i % inp);
-            IntQuantizer::dequantize(code, params[g_idx[c] as usize * out + r])
-        })
-        .collect()
+        .for_each(|(r, (row, row_codes))| {
+            for ((v, &code), &g) in row.iter_mut().zip(row_codes).zip(g_idx) {
+                *v = IntQuantizer::dequantize(code, params[g as usize * out + r]);
+            }
+        });
+    values
 }
 
 /// Rows of `W − Q` converted and multiplied per GEMM call in [`proxy_error`].
