@@ -5,6 +5,8 @@
 use crate::error::PipelineError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
+use rayon::prelude::*;
+use sala_hessian::faer::Mat;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
@@ -117,18 +119,7 @@ impl<B: Backend> InputStats<B> {
                 }
                 let dim = sum.dims()[0];
                 let values = finite_values(sum, input)?;
-                let scale = 1.0 / samples as f64;
-                // Lower triangle mirrored (the GEMM need not be bit-symmetric), as the host
-                // accumulator finalizes.
-                let mut h = vec![0f64; dim * dim];
-                for row in 0..dim {
-                    for col in 0..=row {
-                        let v = values[row * dim + col] as f64 * scale;
-                        h[row * dim + col] = v;
-                        h[col * dim + row] = v;
-                    }
-                }
-                Finalized::Full(Hessian::from_row_major(dim, &h).map_err(err)?)
+                Finalized::Full(mirrored_lower(&values, dim, samples).map_err(err)?)
             }
             InputStats::DeviceDiagonal {
                 square,
@@ -154,6 +145,25 @@ impl<B: Backend> InputStats<B> {
             }
         })
     }
+}
+
+/// The f64 Hessian `sum / samples` from the row-major f32 `sum` `[dim, dim]`, its lower
+/// triangle mirrored (the device GEMM need not be bit-symmetric), as the host accumulator
+/// finalizes. Columns are filled in parallel, straight into the Hessian's own matrix: at
+/// width 16384 this is 268 M values.
+fn mirrored_lower(
+    sum: &[f32],
+    dim: usize,
+    samples: u64,
+) -> Result<Hessian<f64>, sala_hessian::HessianError> {
+    let scale = 1.0 / samples as f64;
+    let mut h = Mat::<f64>::zeros(dim, dim);
+    h.par_col_iter_mut().enumerate().for_each(|(col, column)| {
+        for (row, v) in column.iter_mut().enumerate() {
+            *v = sum[row.max(col) * dim + row.min(col)] as f64 * scale;
+        }
+    });
+    Hessian::from_mat(h)
 }
 
 /// The input as host f32 values (the statistics accept bf16-valued f32 exactly).
