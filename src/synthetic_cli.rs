@@ -250,15 +250,14 @@ impl Progress for LinePrinter {
 }
 
 fn print_summary(report: &SyntheticReport) {
-    let [capture, accumulate, solve, propagate, write] =
-        sala_gptq::report::stage_totals(&report.layers);
     println!(
-        "{} layers, {} samples, {} tokens in {:.1} s (embed {:.1}, capture {capture:.1}, accumulate {accumulate:.1}, solve {solve:.1}, propagate {propagate:.1}, write {write:.1}); hidden states {:.1} MB {}; statistics on the {}; solver {}",
+        "{} layers, {} samples, {} tokens in {:.1} s (embed {:.1}, {}); hidden states {:.1} MB {}; statistics on the {}; solver {}",
         report.layers.len(),
         report.samples,
         report.tokens,
         report.seconds,
         report.embed_seconds,
+        sala_gptq::report::stage_totals(&report.layers),
         report.hidden_state_bytes as f64 / 1e6,
         report.hidden_states_location,
         if report.statistics_on_device { "device" } else { "host" },

@@ -231,16 +231,20 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .map(|g| g.readers.iter().any(|r| quantized.contains(r)))
             .collect();
         progress.stage(Stage::Capture, self.active.len());
-        let (mut stats, accumulate) =
+        let (mut stats, accumulate, finalize) =
             self.capture(layer, &weights, &groups, &needed, hidden, progress)?;
         report.accumulate = accumulate;
-        report.capture = seconds_since(t) - accumulate;
+        report.finalize = finalize;
+        report.capture = seconds_since(t) - accumulate - finalize;
 
         let t = Instant::now();
         progress.stage(Stage::Solve, quantized.len());
         let mut modified = BTreeSet::new();
         let scale_ranges =
             self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
+        report.smooth = seconds_since(t);
+
+        let t = Instant::now();
         let solved = self.solve_layer(
             layer,
             &groups,
@@ -313,7 +317,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         needed: &[bool],
         hidden: &HiddenStates<B>,
         progress: &mut dyn Progress,
-    ) -> Result<(Vec<Option<Finalized>>, f64), PipelineError> {
+    ) -> Result<(Vec<Option<Finalized>>, f64, f64), PipelineError> {
         let first_reader: BTreeMap<&str, usize> = groups
             .iter()
             .enumerate()
@@ -367,7 +371,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .zip(groups)
             .map(|(s, group)| s.map(|s| s.finalize(&group.readers[0])).transpose())
             .collect::<Result<_, _>>()?;
-        Ok((finalized, accumulate + seconds_since(t)))
+        Ok((finalized, accumulate, seconds_since(t)))
     }
 
     fn new_stats(

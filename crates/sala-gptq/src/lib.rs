@@ -45,7 +45,7 @@ pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
 };
 pub use progress::{NoProgress, Progress, Stage};
-pub use report::{LayerReport, LinearReport, Report};
+pub use report::{LayerReport, LinearReport, Report, StageTotals};
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};
 pub use synthetic::{Projection, SyntheticModel, SyntheticReport, SyntheticRun};

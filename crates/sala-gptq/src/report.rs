@@ -49,10 +49,15 @@ pub struct LayerReport {
     pub tokens: u64,
     /// Loading the layer's weights and the forward passes with taps (statistics excluded).
     pub capture: f64,
-    /// Accumulating the Hessians / channel statistics of the tapped inputs and finalizing them
-    /// (downloading them from the device when they are accumulated there).
+    /// Accumulating each sample's contribution to the Hessians / channel statistics of the
+    /// tapped inputs (grows with the tokens).
     pub accumulate: f64,
-    /// Smoothing and solving.
+    /// Finalizing the statistics once per layer: downloading them from the device when they
+    /// are accumulated there, normalizing, converting to f64 (does not grow with the tokens).
+    pub finalize: f64,
+    /// Smoothing: scales, folding into the weights, transforming the statistics.
+    pub smooth: f64,
+    /// Solving the quantized linears.
     pub solve: f64,
     /// Forward passes with the quantized weights.
     pub propagate: f64,
@@ -71,9 +76,9 @@ impl LayerReport {
         self.capture + self.accumulate + self.propagate
     }
 
-    /// Seconds that do not depend on the calibration tokens: solve and write.
+    /// Seconds that do not depend on the calibration tokens: finalize, smooth, solve, write.
     pub fn fixed_seconds(&self) -> f64 {
-        self.solve + self.write
+        self.finalize + self.smooth + self.solve + self.write
     }
 
     /// Calibration tokens per second through the layer's token-proportional stages.
@@ -134,23 +139,26 @@ impl Report {
         total_errors(&self.linears).1
     }
 
-    /// Seconds per stage summed over layers: capture, accumulate, solve, propagate, write.
-    pub fn stage_totals(&self) -> [f64; 5] {
+    /// Seconds per stage summed over layers.
+    pub fn stage_totals(&self) -> StageTotals {
         stage_totals(&self.layers)
     }
 }
 
 impl fmt::Display for LayerReport {
-    /// One line: `layer 3 (lightning): capture 1.20 s, accumulate 0.31 s, solve 4.50 s, write
-    /// 0.00 s, propagate 0.98 s; 4096 tokens, 1655 tokens/s; <memory>`.
+    /// One line: `layer 3 (lightning): capture 1.20 s, accumulate 0.31 s, finalize 0.05 s,
+    /// smooth 0.02 s, solve 4.50 s, write 0.00 s, propagate 0.98 s; 4096 tokens, 1655
+    /// tokens/s; <memory>`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "layer {} ({}): capture {:.2} s, accumulate {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
+            "layer {} ({}): capture {:.2} s, accumulate {:.2} s, finalize {:.2} s, smooth {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
             self.layer,
             self.kind,
             self.capture,
             self.accumulate,
+            self.finalize,
+            self.smooth,
             self.solve,
             self.write,
             self.propagate,
@@ -193,16 +201,16 @@ impl fmt::Display for Report {
                 l.seconds
             )?;
         }
-        let [capture, accumulate, solve, propagate, write] = self.stage_totals();
         writeln!(f)?;
         writeln!(
             f,
-            "{} recipe: {} samples, {} tokens, {} layers, {:.1} s (capture {capture:.1}, accumulate {accumulate:.1}, solve {solve:.1}, propagate {propagate:.1}, write {write:.1})",
+            "{} recipe: {} samples, {} tokens, {} layers, {:.1} s ({})",
             self.recipe,
             self.samples,
             self.tokens,
             self.layers.len(),
-            self.seconds
+            self.seconds,
+            self.stage_totals()
         )?;
         writeln!(
             f,
@@ -242,17 +250,56 @@ pub fn total_errors(linears: &[LinearReport]) -> (f64, f64) {
     })
 }
 
-/// Seconds per stage summed over `layers`: capture, accumulate, solve, propagate, write.
-pub fn stage_totals(layers: &[LayerReport]) -> [f64; 5] {
-    layers.iter().fold([0.0; 5], |acc, l| {
-        [
-            acc[0] + l.capture,
-            acc[1] + l.accumulate,
-            acc[2] + l.solve,
-            acc[3] + l.propagate,
-            acc[4] + l.write,
-        ]
-    })
+/// Seconds per stage, summed over layers (the stages of [`LayerReport`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageTotals {
+    /// Forward passes with taps.
+    pub capture: f64,
+    /// Per-sample statistics.
+    pub accumulate: f64,
+    /// Finalizing the statistics.
+    pub finalize: f64,
+    /// Smoothing.
+    pub smooth: f64,
+    /// Solving.
+    pub solve: f64,
+    /// Forward passes with the quantized weights.
+    pub propagate: f64,
+    /// Writing tensors.
+    pub write: f64,
+}
+
+impl fmt::Display for StageTotals {
+    /// `capture 1.2, accumulate 0.3, finalize 0.1, smooth 0.0, solve 4.5, propagate 1.0, write 0.0`
+    /// (seconds).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "capture {:.1}, accumulate {:.1}, finalize {:.1}, smooth {:.1}, solve {:.1}, propagate {:.1}, write {:.1}",
+            self.capture,
+            self.accumulate,
+            self.finalize,
+            self.smooth,
+            self.solve,
+            self.propagate,
+            self.write
+        )
+    }
+}
+
+/// Seconds per stage summed over `layers`.
+pub fn stage_totals(layers: &[LayerReport]) -> StageTotals {
+    layers
+        .iter()
+        .fold(StageTotals::default(), |t, l| StageTotals {
+            capture: t.capture + l.capture,
+            accumulate: t.accumulate + l.accumulate,
+            finalize: t.finalize + l.finalize,
+            smooth: t.smooth + l.smooth,
+            solve: t.solve + l.solve,
+            propagate: t.propagate + l.propagate,
+            write: t.write + l.write,
+        })
 }
 
 /// `device memory 12.3 GB in use, 14.0 GB reserved`.

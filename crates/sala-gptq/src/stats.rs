@@ -5,8 +5,7 @@
 use crate::error::PipelineError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-use rayon::prelude::*;
-use sala_hessian::faer::Mat;
+use sala_hessian::layout::square_from_fn;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
@@ -149,7 +148,7 @@ impl<B: Backend> InputStats<B> {
 
 /// The f64 Hessian `sum / samples` from the row-major f32 `sum` `[dim, dim]`, its lower
 /// triangle mirrored (the device GEMM need not be bit-symmetric), as the host accumulator
-/// finalizes. Columns are filled in parallel, straight into the Hessian's own matrix: at
+/// finalizes. Filled in parallel tiles, straight into the Hessian's own matrix: at
 /// width 16384 this is 268 M values.
 fn mirrored_lower(
     sum: &[f32],
@@ -157,13 +156,9 @@ fn mirrored_lower(
     samples: u64,
 ) -> Result<Hessian<f64>, sala_hessian::HessianError> {
     let scale = 1.0 / samples as f64;
-    let mut h = Mat::<f64>::zeros(dim, dim);
-    h.par_col_iter_mut().enumerate().for_each(|(col, column)| {
-        for (row, v) in column.iter_mut().enumerate() {
-            *v = sum[row.max(col) * dim + row.min(col)] as f64 * scale;
-        }
-    });
-    Hessian::from_mat(h)
+    Hessian::from_mat(square_from_fn(dim, |row, col| {
+        sum[row.max(col) * dim + row.min(col)] as f64 * scale
+    }))
 }
 
 /// The input as host f32 values (the statistics accept bf16-valued f32 exactly).

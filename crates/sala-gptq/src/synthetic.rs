@@ -297,7 +297,8 @@ pub struct KindCost {
 ///
 /// `T = Σ_kind n_kind · (s_kind · N + f_kind)` with `n_kind` the layers of each kind in the
 /// model, `N` the target tokens, `s_kind` the measured seconds per token of capture +
-/// accumulate + propagate and `f_kind` the measured seconds of solve + write, each averaged
+/// accumulate + propagate and `f_kind` the measured seconds of finalize + smooth + solve +
+/// write (once per layer whatever the tokens), each averaged
 /// over the measured layers of that kind, leaving out the first of a kind when there are more
 /// (it pays the kernels' autotuning). A kind that was not measured borrows the average of all
 /// measured layers. Valid at the measured sequence length (attention is quadratic in it).
@@ -362,7 +363,7 @@ impl Projection {
             .collect();
         let formula = format!(
             "T = Σ_kind n_kind · (s_kind · N + f_kind), N = {target_tokens} tokens, \
-             s = (capture + accumulate + propagate) / tokens, f = solve + write:\n  {}\n  \
+             s = (capture + accumulate + propagate) / tokens, f = finalize + smooth + solve + write:\n  {}\n  \
              T = {seconds:.0} s = {:.2} h (at the measured sequence length)",
             terms.join("\n  "),
             seconds / 3600.0

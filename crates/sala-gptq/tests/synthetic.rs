@@ -99,6 +99,8 @@ fn assert_stages_measured(report: &SyntheticReport) {
         for (stage, s) in [
             ("capture", l.capture),
             ("accumulate", l.accumulate),
+            ("finalize", l.finalize),
+            ("smooth", l.smooth),
             ("solve", l.solve),
             ("write", l.write),
             ("propagate", l.propagate),

@@ -40,9 +40,8 @@ impl<T: HessianScalar> Hessian<T> {
     /// reported when the Hessian is used).
     pub fn from_row_major(dim: usize, values: &[T]) -> Result<Self, HessianError> {
         check_matrix("hessian", values.len(), dim, dim)?;
-        let view = MatRef::from_row_major_slice(values, dim, dim);
         Ok(Self {
-            matrix: view.to_owned(),
+            matrix: crate::layout::square_from_fn(dim, |i, j| values[i * dim + j]),
         })
     }
 
@@ -90,8 +89,7 @@ impl<T: HessianScalar> Hessian<T> {
 
     /// The matrix as a row-major `[dim, dim]` vector.
     pub fn to_row_major(&self) -> Vec<T> {
-        let n = self.dim();
-        (0..n * n).map(|i| self.matrix[(i / n, i % n)]).collect()
+        crate::layout::square_to_row_major(self.matrix.as_ref())
     }
 
     /// The first non-finite element of the lower triangle, as an error.

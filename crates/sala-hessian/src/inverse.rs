@@ -235,25 +235,6 @@ fn all_finite(m: &Mat<f32>) -> bool {
     m.par_col_iter().all(|c| c.iter().all(|v| v.is_finite()))
 }
 
-/// The row-major `[n, n]` `values` as a faer matrix (columns filled in parallel): how an
-/// [`UpperFactorizer`] that computes in row-major memory hands its factor back.
-pub fn mat_from_row_major(values: &[f32], n: usize) -> Result<Mat<f32>, HessianError> {
-    if values.len() != n * n {
-        return Err(HessianError::LengthMismatch {
-            what: "row-major factor",
-            expected: n * n,
-            actual: values.len(),
-        });
-    }
-    let mut m = Mat::<f32>::zeros(n, n);
-    m.par_col_iter_mut().enumerate().for_each(|(j, col)| {
-        for (i, v) in col.iter_mut().enumerate() {
-            *v = values[i * n + j];
-        }
-    });
-    Ok(m)
-}
-
 /// One attempt: factor the damped, permuted matrix in reversed order, invert the factor.
 /// `None` when the factorization meets a non-positive pivot.
 fn try_inverse_upper<T: HessianScalar>(
@@ -306,26 +287,13 @@ fn try_inverse_upper<T: HessianScalar>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn row_major_values_land_at_their_row_and_column() {
-        let n = 5;
-        let values: Vec<f32> = (0..n * n).map(|k| k as f32 * 0.5 - 3.0).collect();
-        let m = mat_from_row_major(&values, n).unwrap();
-        for i in 0..n {
-            for j in 0..n {
-                assert_eq!(m[(i, j)], values[i * n + j], "({i}, {j})");
-            }
-        }
-        assert!(all_finite(&m));
-        let err = mat_from_row_major(&values[1..], n).unwrap_err();
-        assert!(err.to_string().contains("row-major factor"), "{err}");
-    }
+    use crate::layout::square_from_row_major;
 
     #[test]
     fn a_single_non_finite_value_is_found() {
-        let mut values = vec![1.0f32; 64 * 64];
-        values[63 * 64 + 17] = f32::NAN;
-        assert!(!all_finite(&mat_from_row_major(&values, 64).unwrap()));
+        let mut values = vec![1.0f32; 70 * 70];
+        assert!(all_finite(&square_from_row_major(&values, 70).unwrap()));
+        values[69 * 70 + 17] = f32::NAN;
+        assert!(!all_finite(&square_from_row_major(&values, 70).unwrap()));
     }
 }

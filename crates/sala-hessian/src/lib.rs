@@ -11,6 +11,7 @@
 //! - [`block_search`]: the NVFP4 E4M3 block-scale search weighted by the diagonal Hessian;
 //! - [`solver`]: the seam a pipeline solves through ([`LinearSolver`]; [`CpuSolver`] runs
 //!   the solvers above, a GPU implementation plugs in);
+//! - [`layout`]: square matrices between row-major buffers and faer, tiled and parallel;
 //! - [`reference`]: textbook versions that the optimised paths (and GPU kernels) are tested
 //!   against.
 //!
@@ -23,6 +24,7 @@ mod error;
 pub mod gptq;
 pub mod hessian;
 pub mod inverse;
+pub mod layout;
 mod quantized;
 pub mod reference;
 pub mod rtn;

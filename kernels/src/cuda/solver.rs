@@ -19,7 +19,7 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
 use sala_hessian::faer::Mat;
-use sala_hessian::inverse::mat_from_row_major;
+use sala_hessian::layout::square_from_row_major;
 use sala_hessian::{HessianError, UpperFactorizer};
 use std::sync::Arc;
 
@@ -101,7 +101,7 @@ impl UpperFactorizer for CusolverFactorizer {
         match inverse_upper_cusolver(&self.client, &self.solver, &h) {
             Ok(u) => {
                 let u = u.download(&self.client)?;
-                Ok(Some(mat_from_row_major(&u, n)?))
+                Ok(Some(square_from_row_major(&u, n)?))
             }
             Err(KernelError::NotPositiveDefinite { .. }) => Ok(None),
             Err(e) => Err(e.into()),
