@@ -49,7 +49,12 @@ impl Tensor {
 
     /// An int32 tensor (`qweight`, `qzeros`, `g_idx`).
     pub fn from_i32(name: &str, shape: &[usize], values: &[i32]) -> Result<Self, ExportError> {
-        Self::from_bytes(name, Dtype::I32, shape, le_bytes(values, |v| v.to_le_bytes()))
+        Self::from_bytes(
+            name,
+            Dtype::I32,
+            shape,
+            le_bytes(values, |v| v.to_le_bytes()),
+        )
     }
 
     /// Bytes of the data.
