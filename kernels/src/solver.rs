@@ -10,7 +10,7 @@
 //! [`CpuSolver`]: sala_hessian::CpuSolver
 
 use cubecl::prelude::*;
-use rayon::prelude::*;
+use sala_hessian::layout::square_to_row_major;
 use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig, Hessian,
     HessianError, LinearSolver, Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear,
@@ -96,7 +96,8 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
         let (out, inp) = (problem.out, problem.inp);
         let run = || -> Result<ColumnSolution, KernelError> {
             let w_view = MatrixView::upload(&self.client, w, out, inp)?;
-            let u_view = MatrixView::upload(&self.client, &upper_row_major(problem), inp, inp)?;
+            let u_view =
+                MatrixView::upload(&self.client, &square_to_row_major(problem.upper), inp, inp)?;
             let config = DeviceGptqConfig {
                 bits: problem.quantizer.bits(),
                 group_size: Some(problem.group_size),
@@ -118,18 +119,6 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
     fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
         self.factorizer.as_deref()
     }
-}
-
-/// `U` row-major `[inp, inp]`, its strict lower triangle (never read) left zero.
-fn upper_row_major(problem: &ColumnProblem<'_>) -> Vec<f32> {
-    let n = problem.inp;
-    let mut u = vec![0.0f32; n * n];
-    u.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
-        for (j, v) in row.iter_mut().enumerate().skip(i) {
-            *v = problem.upper[(i, j)];
-        }
-    });
-    u
 }
 
 impl From<KernelError> for HessianError {

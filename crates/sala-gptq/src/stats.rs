@@ -5,7 +5,7 @@
 use crate::error::PipelineError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-use sala_hessian::layout::square_from_fn;
+use sala_hessian::layout::symmetric_from_lower;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
@@ -156,8 +156,8 @@ fn mirrored_lower(
     samples: u64,
 ) -> Result<Hessian<f64>, sala_hessian::HessianError> {
     let scale = 1.0 / samples as f64;
-    Hessian::from_mat(square_from_fn(dim, |row, col| {
-        sum[row.max(col) * dim + row.min(col)] as f64 * scale
+    Hessian::from_mat(symmetric_from_lower(dim, |row, col| {
+        sum[row * dim + col] as f64 * scale
     }))
 }
 

@@ -41,7 +41,7 @@ impl<T: HessianScalar> Hessian<T> {
     pub fn from_row_major(dim: usize, values: &[T]) -> Result<Self, HessianError> {
         check_matrix("hessian", values.len(), dim, dim)?;
         Ok(Self {
-            matrix: crate::layout::square_from_fn(dim, |i, j| values[i * dim + j]),
+            matrix: crate::layout::square_from_row_major(values, dim)?,
         })
     }
 
@@ -230,15 +230,9 @@ impl<T: HessianScalar> HessianAccumulator<T> {
     pub fn finalize(&self) -> Result<Hessian<T>, HessianError> {
         let divisor = normalization_divisor(self.normalization, self.samples, self.tokens)?;
         let scale = T::from_f64(1.0 / divisor);
-        let n = self.dim();
-        let mut matrix = Mat::zeros(n, n);
-        for col in 0..n {
-            for row in col..n {
-                let v = self.sum[(row, col)] * scale;
-                matrix[(row, col)] = v;
-                matrix[(col, row)] = v;
-            }
-        }
+        let matrix = crate::layout::symmetric_from_lower(self.dim(), |row, col| {
+            self.sum[(row, col)] * scale
+        });
         Ok(Hessian { matrix })
     }
 }

@@ -35,6 +35,16 @@ where
     m
 }
 
+/// The symmetric `n × n` matrix whose lower triangle is `lower(row, col)` (`row >= col`; the
+/// upper triangle mirrors it, so `lower` is never asked for `row < col`).
+pub fn symmetric_from_lower<T, F>(n: usize, lower: F) -> Mat<T>
+where
+    T: faer::traits::ComplexField + Copy + Send + Sync,
+    F: Fn(usize, usize) -> T + Sync,
+{
+    square_from_fn(n, |i, j| lower(i.max(j), i.min(j)))
+}
+
 /// The row-major `[n, n]` `values` as a faer matrix.
 pub fn square_from_row_major<T>(values: &[T], n: usize) -> Result<Mat<T>, HessianError>
 where
@@ -90,6 +100,19 @@ mod tests {
                 }
             }
             assert_eq!(square_to_row_major(m.as_ref()), values, "n {n}");
+        }
+    }
+
+    #[test]
+    fn the_upper_triangle_mirrors_the_lower() {
+        let m = symmetric_from_lower(70, |r, c| {
+            assert!(r >= c, "asked for ({r}, {c})");
+            (r * 100 + c) as f64
+        });
+        for i in 0..70 {
+            for j in 0..70 {
+                assert_eq!(m[(i, j)], (i.max(j) * 100 + i.min(j)) as f64);
+            }
         }
     }
 
