@@ -93,6 +93,15 @@ pub enum ModelError {
     /// A caller-supplied argument is invalid (token id out of range, wrong hidden width, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// A device kernel of a [`FastOps`](crate::FastOps) implementation refused its inputs or
+    /// failed to launch.
+    #[error("device kernel {op}: {message}")]
+    Kernel {
+        /// The operation (e.g. `causal attention`).
+        op: &'static str,
+        /// What went wrong.
+        message: String,
+    },
     /// A minicpm4 layer received a sequence at or beyond `dense_len` without dense mode.
     #[error(
         "layer {layer}: sequence of {tokens} tokens reaches sparse_config.dense_len = {dense_len}; \

@@ -3,7 +3,10 @@
 //! - [`SalaConfig`]: `config.json`, validated, with the tensor names and shapes it implies.
 //! - [`TensorStore`]: memory-mapped safetensors (single file or sharded), read lazily.
 //! - [`LayerWeights`] / [`HeadWeights`]: one layer's weights on the host as f32, mutable.
-//! - [`LayerRunner`]: embedding, one decoder layer with a tap on every linear's input, logits.
+//! - [`LayerRunner`]: embedding, one decoder layer (one sequence or a pack of them) with a tap
+//!   on every linear's input, logits.
+//! - [`FastOps`]: the seam through which a backend computes heavy steps with its own kernels
+//!   ([`CubeFastOps`] on CUDA: `sala-kernels`' attention), tested against the graph.
 //! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
 //!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
 //! - [`device`]: the GPU backend `CudaBackend` (feature `cuda`; bf16 storage,
@@ -17,6 +20,7 @@
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod fast;
 pub mod host;
 pub mod numerics;
 pub mod ops;
@@ -33,6 +37,9 @@ pub use device::DeviceMemory;
 #[cfg(feature = "cuda")]
 pub use device::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
+#[cfg(feature = "cuda")]
+pub use fast::CubeFastOps;
+pub use fast::{sequence_offsets, FastOps};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{round_to_bf16, to_f32, Numerics};
 pub use runner::{AttentionMode, LayerRunner, RunOptions};

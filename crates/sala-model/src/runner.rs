@@ -7,6 +7,7 @@ use burn::tensor::{DType, Tensor};
 
 use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
 use crate::error::{ModelError, Result};
+use crate::fast::FastOps;
 use crate::host::{HeadWeights, HostTensor, LayerWeights};
 use crate::numerics::{to_f32, Numerics};
 use crate::ops::attention::{causal_attention, DEFAULT_SCORE_BUDGET};
@@ -16,6 +17,7 @@ use crate::ops::norm::rms_norm;
 use crate::ops::rope::{apply_rope, RopeTables};
 use crate::source::{DeviceLayerWeights, LayerSource};
 use crate::store::TensorStore;
+use std::sync::{Arc, Mutex};
 
 /// How minicpm4 layers treat sequences of `dense_len` tokens or more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -63,6 +65,44 @@ pub struct LayerRunner<B: Backend> {
     config: SalaConfig,
     device: B::Device,
     options: RunOptions,
+    /// Faster implementations of some steps on this backend, if the caller supplied them.
+    fast: Option<Arc<dyn FastOps<B>>>,
+    /// RoPE tables of the longest sequence seen so far, kept on the device between calls.
+    rope: Arc<Mutex<Option<RopeTables<B>>>>,
+}
+
+/// Mixer steps: the normed layer input and the linears' tap, shared by the layer kinds.
+type Apply<'f, B> = dyn FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>> + 'f;
+
+/// The sequences of a pack as row ranges `start..end` of the `[Σ T, hidden]` buffer.
+fn row_ranges(lengths: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    lengths.iter().scan(0, |start, &len| {
+        let range = *start..*start + len;
+        *start += len;
+        Some(range)
+    })
+}
+
+/// The tensors of a pack's sequences stacked along the rows (the tensor itself for one).
+fn concat_rows<B: Backend, const D: usize>(parts: Vec<Tensor<B, D>>) -> Tensor<B, D> {
+    match <[Tensor<B, D>; 1]>::try_from(parts) {
+        Ok([one]) => one,
+        Err(parts) => Tensor::cat(parts, 0),
+    }
+}
+
+/// Runs of consecutive sequences of equal length: `(first row, length, count)`.
+fn equal_runs(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut row = 0;
+    for &len in lengths {
+        match runs.last_mut() {
+            Some((_, l, count)) if *l == len => *count += 1,
+            _ => runs.push((row, len, 1)),
+        }
+        row += len;
+    }
+    runs
 }
 
 /// A layer's weights converted to device tensors, checked against the config.
@@ -100,7 +140,21 @@ impl<B: Backend> LayerRunner<B> {
             config,
             device,
             options,
+            fast: None,
+            rope: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// The same runner with `fast` computing the steps it implements (e.g.
+    /// [`CubeFastOps`](crate::fast::CubeFastOps) on CUDA) instead of the Burn graph.
+    pub fn with_fast_ops(mut self, fast: Arc<dyn FastOps<B>>) -> Self {
+        self.fast = Some(fast);
+        self
+    }
+
+    /// Whether a [`FastOps`] implementation is installed.
+    pub fn has_fast_ops(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// The model configuration.
@@ -276,6 +330,7 @@ impl<B: Backend> LayerRunner<B> {
                 weights.layer, weights.kind
             )));
         }
+        let tokens = hidden.dims()[0];
         let a = self.norm(
             hidden,
             w.tensor("input_layernorm", [self.config.hidden_size()])?,
@@ -283,7 +338,7 @@ impl<B: Backend> LayerRunner<B> {
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| {
             Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
         };
-        self.lightning_qkv(&w, &a, &mut apply)
+        self.lightning_qkv(&w, &a, &[tokens], &mut apply)
     }
 
     /// Runs decoder layer `weights.layer` on `hidden` `[tokens, hidden]` and returns its output.
@@ -311,12 +366,75 @@ impl<B: Backend> LayerRunner<B> {
         &self,
         weights: &dyn LayerSource<B>,
         hidden: Tensor<B, 2>,
-        mut tap: F,
+        tap: F,
     ) -> Result<Tensor<B, 2>>
     where
         F: FnMut(&str, &Tensor<B, 2>),
     {
+        let tokens = hidden.dims()[0];
+        self.run_pack_from(weights, hidden, &[tokens], tap)
+    }
+
+    /// [`LayerRunner::run_layer_from`] on a pack: sequences of `lengths` tokens lying back to
+    /// back in `hidden` `[Σ lengths, hidden]`. Row-wise steps (norms, linears, gates) run on
+    /// the whole pack at once; RoPE positions, attention and the GLA state restart at each
+    /// sequence, so every sequence's rows come out as if it had run alone. The taps see the
+    /// pack's `[Σ lengths, in]` inputs.
+    pub fn run_pack_from<F>(
+        &self,
+        weights: &dyn LayerSource<B>,
+        hidden: Tensor<B, 2>,
+        lengths: &[usize],
+        tap: F,
+    ) -> Result<Tensor<B, 2>>
+    where
+        F: FnMut(&str, &Tensor<B, 2>),
+    {
+        let out = self.forward(weights, hidden, lengths, tap, true)?;
+        out.ok_or_else(|| ModelError::InvalidInput("the layer produced no output".into()))
+    }
+
+    /// The taps of [`LayerRunner::run_pack_from`] without the rest: the pass stops once the
+    /// last linear's input (`down_proj`'s) has been tapped, skipping `down_proj` itself and
+    /// the residual that nobody reads during calibration capture.
+    pub fn capture_pack_from<F>(
+        &self,
+        weights: &dyn LayerSource<B>,
+        hidden: Tensor<B, 2>,
+        lengths: &[usize],
+        tap: F,
+    ) -> Result<()>
+    where
+        F: FnMut(&str, &Tensor<B, 2>),
+    {
+        self.forward(weights, hidden, lengths, tap, false)
+            .map(|_| ())
+    }
+
+    /// Errors unless `lengths` (all positive) add up to the `tokens` rows of a pack.
+    fn check_lengths(lengths: &[usize], tokens: usize) -> Result<()> {
+        if lengths.is_empty() || lengths.contains(&0) || lengths.iter().sum::<usize>() != tokens {
+            return Err(ModelError::InvalidInput(format!(
+                "sequence lengths {lengths:?} do not split a pack of {tokens} tokens"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One layer on a pack; `None` when `full` is false (stopped after the last tap).
+    fn forward<F>(
+        &self,
+        weights: &dyn LayerSource<B>,
+        hidden: Tensor<B, 2>,
+        lengths: &[usize],
+        mut tap: F,
+        full: bool,
+    ) -> Result<Option<Tensor<B, 2>>>
+    where
+        F: FnMut(&str, &Tensor<B, 2>),
+    {
         let w = self.device_layer(weights, &hidden)?;
+        Self::check_lengths(lengths, hidden.dims()[0])?;
         let hidden = hidden.cast(w.dtype);
         let layer = weights.layer();
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
@@ -328,9 +446,9 @@ impl<B: Backend> LayerRunner<B> {
 
         let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?);
         let mixed = match weights.kind() {
-            LayerKind::Minicpm4 => self.minicpm4(layer, a, &mut apply)?,
-            LayerKind::Lightning => self.lightning(&w, a, &mut apply)?,
-            LayerKind::Llama => self.llama(a, &mut apply)?,
+            LayerKind::Minicpm4 => self.minicpm4(layer, a, lengths, &mut apply)?,
+            LayerKind::Lightning => self.lightning(&w, a, lengths, &mut apply)?,
+            LayerKind::Llama => self.llama(a, lengths, &mut apply)?,
         };
         let h = self.round(hidden + self.round(to_f32(mixed).mul_scalar(residual)));
 
@@ -341,8 +459,14 @@ impl<B: Backend> LayerRunner<B> {
         let gate = apply("mlp.gate_proj", m.clone(), [inter, hidden_size])?;
         let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
         let act = self.round(self.round(silu(gate)) * up);
+        if !full {
+            tap(&format!("{}.mlp.down_proj", w.prefix), &act);
+            return Ok(None);
+        }
         let down = apply("mlp.down_proj", act, [hidden_size, inter])?;
-        Ok(self.round(h + self.round(to_f32(down).mul_scalar(residual))))
+        Ok(Some(
+            self.round(h + self.round(to_f32(down).mul_scalar(residual))),
+        ))
     }
 
     /// q/k/v projections of `a` into `[tokens, heads, d]` views.
@@ -350,7 +474,7 @@ impl<B: Backend> LayerRunner<B> {
         &self,
         a: &Tensor<B, 2>,
         dims: HeadDims,
-        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+        apply: &mut Apply<'_, B>,
     ) -> Result<[Tensor<B, 3>; 3]> {
         let hidden = self.config.hidden_size();
         let tokens = a.dims()[0];
@@ -364,10 +488,34 @@ impl<B: Backend> LayerRunner<B> {
         ])
     }
 
-    fn softmax_attention(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Tensor<B, 2> {
+    /// Causal softmax attention of each sequence of the pack, `[tokens, heads·d]` in the
+    /// storage dtype: the [`FastOps`] kernel when one is installed, else the Burn graph one
+    /// sequence at a time.
+    fn softmax_attention(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        lengths: &[usize],
+    ) -> Result<Tensor<B, 2>> {
         let [tokens, heads, d] = q.dims();
-        let out = causal_attention(q, k, v, self.options.score_budget);
-        self.round(out.reshape([tokens, heads * d]))
+        if let Some(fast) = &self.fast {
+            let scale = (1.0 / (d as f64).sqrt()) as f32;
+            let out = fast.causal_attention(q, k, v, lengths, scale)?;
+            return Ok(self.round(out.reshape([tokens, heads * d])));
+        }
+        let kv_heads = k.dims()[1];
+        let outs: Vec<Tensor<B, 3>> = row_ranges(lengths)
+            .map(|rows| {
+                causal_attention(
+                    q.clone().slice([rows.clone(), 0..heads, 0..d]),
+                    k.clone().slice([rows.clone(), 0..kv_heads, 0..d]),
+                    v.clone().slice([rows, 0..kv_heads, 0..d]),
+                    self.options.score_budget,
+                )
+            })
+            .collect();
+        Ok(self.round(concat_rows(outs).reshape([tokens, heads * d])))
     }
 
     /// Sparse-layer mixer in dense mode: GQA causal attention without RoPE, times
@@ -376,16 +524,17 @@ impl<B: Backend> LayerRunner<B> {
         &self,
         layer: usize,
         a: Tensor<B, 2>,
-        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+        lengths: &[usize],
+        apply: &mut Apply<'_, B>,
     ) -> Result<Tensor<B, 2>> {
-        let tokens = a.dims()[0];
+        let longest = lengths.iter().copied().max().unwrap_or(0);
         if let (AttentionMode::FollowConfig, Some(dense_len)) =
             (self.options.attention, self.config.dense_len())
         {
-            if tokens >= dense_len {
+            if longest >= dense_len {
                 return Err(ModelError::SparseAttentionRequired {
                     layer,
-                    tokens,
+                    tokens: longest,
                     dense_len,
                 });
             }
@@ -394,7 +543,7 @@ impl<B: Backend> LayerRunner<B> {
         let hidden = self.config.hidden_size();
         let [q, k, v] = self.project_qkv(&a, dims, apply)?;
         let gate = apply("self_attn.o_gate", a, [dims.q_width(), hidden])?;
-        let att = self.softmax_attention(q, k, v);
+        let att = self.softmax_attention(q, k, v, lengths)?;
         let gated = self.round(att * self.round(sigmoid(gate)));
         apply("self_attn.o_proj", gated, [hidden, dims.q_width()])
     }
@@ -405,35 +554,87 @@ impl<B: Backend> LayerRunner<B> {
         &self,
         w: &DeviceLayer<'_, B>,
         a: Tensor<B, 2>,
-        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+        lengths: &[usize],
+        apply: &mut Apply<'_, B>,
     ) -> Result<Tensor<B, 2>> {
         let dims = self.config.lightning_heads().ok_or_else(|| {
             ModelError::InvalidInput("lightning layer without lightning heads".into())
         })?;
         let hidden = self.config.hidden_size();
-        let (tokens, heads, d) = (a.dims()[0], dims.heads, dims.head_dim);
-        let [q, k, v] = self.lightning_qkv(w, &a, apply)?;
-        let out = gla::chunked(
-            q.swap_dims(0, 1),
-            k.swap_dims(0, 1),
-            v.swap_dims(0, 1),
-            &gla::log_decays(heads),
-            self.options.gla_chunk,
-        );
-        let out = self.round(out.swap_dims(0, 1).reshape([tokens, heads * d]));
+        let (heads, d) = (dims.heads, dims.head_dim);
+        let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
+        let out = self.gla(q, k, v, lengths);
         let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
         let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
         let gated = self.round(out * self.round(sigmoid(gate)));
         apply("self_attn.o_proj", gated, [hidden, heads * d])
     }
 
+    /// The chunked GLA of every sequence of the pack, `[tokens, heads·d]` rounded: sequences
+    /// of equal length next to each other run as one batch (their heads side by side).
+    fn gla(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        lengths: &[usize],
+    ) -> Tensor<B, 2> {
+        let [_, heads, d] = q.dims();
+        let decays = gla::log_decays(heads);
+        let outs: Vec<Tensor<B, 2>> = equal_runs(lengths)
+            .into_iter()
+            .map(|(start, len, count)| {
+                let rows = start..start + len * count;
+                // [count·len, heads, d] → [count·heads, len, d]
+                let by_head = |x: Tensor<B, 3>| {
+                    x.slice([rows.clone(), 0..heads, 0..d])
+                        .reshape([count, len, heads, d])
+                        .swap_dims(1, 2)
+                        .reshape([count * heads, len, d])
+                };
+                let out = gla::chunked(
+                    by_head(q.clone()),
+                    by_head(k.clone()),
+                    by_head(v.clone()),
+                    &decays.repeat(count),
+                    self.options.gla_chunk,
+                );
+                out.reshape([count, heads, len, d])
+                    .swap_dims(1, 2)
+                    .reshape([count * len, heads * d])
+            })
+            .collect();
+        self.round(concat_rows(outs))
+    }
+
+    /// RoPE tables covering every sequence of `lengths`, from the runner's cache (rebuilt
+    /// only when a longer sequence or another head dimension comes along).
+    fn rope_tables(&self, lengths: &[usize], head_dim: usize) -> Result<RopeTables<B>> {
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let mut cache = self
+            .rope
+            .lock()
+            .map_err(|_| ModelError::InvalidInput("RoPE table cache poisoned".into()))?;
+        let tables = match cache.as_ref() {
+            Some(t) if t.positions() >= longest && t.cos.dims()[1] == head_dim => t.clone(),
+            _ => {
+                let t =
+                    RopeTables::<B>::new(longest, head_dim, self.config.rope_theta(), &self.device);
+                *cache = Some(t.clone());
+                t
+            }
+        };
+        tables.for_pack(lengths)
+    }
+
     /// Lightning q (scaled), k, v `[tokens, heads, d]` from the normed input `a`: projections,
-    /// q/k RMSNorm per head, RoPE.
+    /// q/k RMSNorm per head, RoPE (positions restarting with each sequence of `lengths`).
     fn lightning_qkv(
         &self,
         w: &DeviceLayer<'_, B>,
         a: &Tensor<B, 2>,
-        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+        lengths: &[usize],
+        apply: &mut Apply<'_, B>,
     ) -> Result<[Tensor<B, 3>; 3]> {
         let dims = self.config.lightning_heads().ok_or_else(|| {
             ModelError::InvalidInput("lightning layer without lightning heads".into())
@@ -446,7 +647,7 @@ impl<B: Backend> LayerRunner<B> {
                 .norm(flat, w.tensor(name, [d])?)
                 .reshape([tokens, heads, d]))
         };
-        let rope = RopeTables::<B>::new(tokens, d, self.config.rope_theta(), &self.device);
+        let rope = self.rope_tables(lengths, d)?;
         let q = apply_rope(
             head_norm(q, "self_attn.q_norm")?,
             &rope,
@@ -465,20 +666,15 @@ impl<B: Backend> LayerRunner<B> {
     fn llama(
         &self,
         a: Tensor<B, 2>,
-        apply: &mut impl FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>>,
+        lengths: &[usize],
+        apply: &mut Apply<'_, B>,
     ) -> Result<Tensor<B, 2>> {
         let dims = self.config.attention_heads();
-        let tokens = a.dims()[0];
         let [q, k, v] = self.project_qkv(&a, dims, apply)?;
-        let rope = RopeTables::<B>::new(
-            tokens,
-            dims.head_dim,
-            self.config.rope_theta(),
-            &self.device,
-        );
+        let rope = self.rope_tables(lengths, dims.head_dim)?;
         let q = apply_rope(q, &rope, self.options.numerics);
         let k = apply_rope(k, &rope, self.options.numerics);
-        let att = self.softmax_attention(q, k, v);
+        let att = self.softmax_attention(q, k, v, lengths)?;
         apply(
             "self_attn.o_proj",
             att,

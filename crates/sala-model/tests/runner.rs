@@ -289,3 +289,94 @@ fn lightning_gla_inputs_refuse_other_layers() {
         Err(ModelError::InvalidInput(_))
     ));
 }
+
+/// A pack runs every sequence as if it ran alone: each layer kind (minicpm4 attention,
+/// lightning GLA with RoPE, Llama attention with RoPE), sequences of unequal and equal
+/// lengths (equal neighbours share one batched GLA), the taps seeing the inputs stacked, and
+/// the capture-only pass tapping the same inputs. A one-sequence pack is the plain run.
+fn check_pack(model: &str, layer: usize) {
+    let (config, store) = open(model);
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let weights = LayerWeights::load(&store, &config, layer).unwrap();
+    let lengths = [13, 7, 7, 1, 20];
+    let sequences: Vec<Tensor<B, 2>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            let seq: Vec<u32> = ids(n + s).into_iter().skip(s).collect();
+            runner.embed(&store, &seq).unwrap()
+        })
+        .collect();
+    let pack = Tensor::cat(sequences.clone(), 0);
+    let mut pack_taps = BTreeMap::new();
+    let packed = runner
+        .run_pack_from(&weights, pack.clone(), &lengths, |name, x| {
+            pack_taps.insert(name.to_owned(), x.clone());
+        })
+        .unwrap();
+    let mut start = 0;
+    let mut alone_taps: BTreeMap<String, Vec<Tensor<B, 2>>> = BTreeMap::new();
+    for (seq, &n) in sequences.iter().zip(&lengths) {
+        let (alone, _, taps) = run_with_taps(&runner, &weights, seq.clone());
+        let rows = packed
+            .clone()
+            .slice([start..start + n, 0..config.hidden_size()]);
+        assert_close(
+            rows,
+            alone,
+            &format!("{model} layer {layer}: rows {start}.."),
+        );
+        for (name, x) in taps {
+            alone_taps.entry(name).or_default().push(x);
+        }
+        start += n;
+    }
+    assert_eq!(pack_taps.len(), alone_taps.len());
+    for (name, parts) in alone_taps {
+        assert_close(pack_taps[&name].clone(), Tensor::cat(parts, 0), &name);
+    }
+    let mut captured = BTreeMap::new();
+    runner
+        .capture_pack_from(&weights, pack, &lengths, |name, x| {
+            captured.insert(name.to_owned(), x.clone());
+        })
+        .unwrap();
+    assert_eq!(
+        captured.keys().collect::<Vec<_>>(),
+        pack_taps.keys().collect::<Vec<_>>()
+    );
+    for (name, x) in captured {
+        assert_close(x, pack_taps[&name].clone(), &format!("capture {name}"));
+    }
+    let single = runner
+        .run_pack_from(&weights, sequences[0].clone(), &lengths[..1], |_, _| {})
+        .unwrap();
+    let plain = runner
+        .run_layer(&weights, sequences[0].clone(), |_, _| {})
+        .unwrap();
+    assert_eq!(to_vec(single), to_vec(plain));
+}
+
+#[test]
+fn packs_run_each_sequence_as_alone_in_every_layer_kind() {
+    check_pack("tiny-sala", 0);
+    check_pack("tiny-sala", 1);
+    check_pack("tiny-llama", 0);
+}
+
+#[test]
+fn pack_lengths_must_split_the_rows() {
+    let (config, store) = open("tiny-sala");
+    let runner = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let weights = LayerWeights::load(&store, &config, 0).unwrap();
+    let hidden = runner.embed(&store, &ids(10)).unwrap();
+    for lengths in [&[4, 5][..], &[10, 0], &[], &[11]] {
+        let err = runner
+            .run_pack_from(&weights, hidden.clone(), lengths, |_, _| {})
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("do not split a pack of 10"),
+            "{err}"
+        );
+    }
+}

@@ -54,6 +54,45 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
+impl<B: Backend> RopeTables<B> {
+    /// Positions these tables cover (`0..positions`).
+    pub fn positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// The rows for a pack of sequences of `lengths` tokens lying back to back, positions
+    /// restarting at 0 with each sequence: `[Σ lengths, head_dim]` (a slice for one sequence,
+    /// a gather otherwise). Errors when a sequence is longer than the tables.
+    pub fn for_pack(&self, lengths: &[usize]) -> crate::Result<Self> {
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        if longest > self.positions() {
+            return Err(crate::ModelError::InvalidInput(format!(
+                "a sequence of {longest} tokens needs RoPE tables beyond their {} positions",
+                self.positions()
+            )));
+        }
+        let d = self.cos.dims()[1];
+        if let [single] = lengths {
+            return Ok(Self {
+                cos: self.cos.clone().slice([0..*single, 0..d]),
+                sin: self.sin.clone().slice([0..*single, 0..d]),
+            });
+        }
+        let positions: Vec<i64> = lengths
+            .iter()
+            .flat_map(|&len| (0..len as i64).collect::<Vec<_>>())
+            .collect();
+        let index = Tensor::<B, 1, burn::tensor::Int>::from_data(
+            TensorData::new(positions, [lengths.iter().sum::<usize>()]),
+            &self.cos.device(),
+        );
+        Ok(Self {
+            cos: self.cos.clone().select(0, index.clone()),
+            sin: self.sin.clone().select(0, index),
+        })
+    }
+}
+
 /// `concat(-x[.., d/2..], x[.., ..d/2])` along the last axis of `x` `[tokens, heads, d]`.
 pub fn rotate_half<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
     let [tokens, heads, d] = x.dims();
