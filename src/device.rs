@@ -3,9 +3,10 @@
 
 use burn::tensor::backend::Backend;
 use clap::ValueEnum;
-use sala_gptq::model::Numerics;
+use sala_gptq::model::{FastOps, Numerics};
 use sala_gptq::{CpuBackend, CpuSolver, LinearSolver, MemoryProbe, QuantizeOptions};
 use std::error::Error;
+use std::sync::Arc;
 
 /// `--device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,12 +64,13 @@ pub trait DeviceJob {
     /// What the job returns.
     type Output;
     /// Runs on `device` of backend `B`, with a device-memory probe on GPUs, solving each
-    /// linear with `solver`.
+    /// linear with `solver`, the model's heaviest steps with `fast` where the backend has them.
     fn run<B: Backend>(
         self,
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
 
@@ -83,7 +85,9 @@ pub fn dispatch<J: DeviceJob>(
     job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
     match device {
-        DeviceArg::Cpu => job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver)),
+        DeviceArg::Cpu => {
+            job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None)
+        }
         DeviceArg::Cuda => run_cuda(example, host_solver, job),
     }
 }
@@ -101,7 +105,8 @@ fn run_cuda<J: DeviceJob>(
     } else {
         cuda_solver()?
     };
-    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory), solver)
+    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(sala_gptq::model::CubeFastOps);
+    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory), solver, Some(fast))
 }
 
 /// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,
@@ -112,7 +117,6 @@ fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
     use sala_kernels::cubecl::Runtime;
     use sala_kernels::cuda::{Cublas, CublasGemm, Cusolver, CusolverFactorizer, Fp32Math};
     use sala_kernels::DeviceSolver;
-    use std::sync::Arc;
     let client = CudaRuntime::client(&CudaDevice::default());
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod device;
+pub mod forward_cli;
 pub mod quantize_cli;
 pub mod synthetic_cli;
 

@@ -9,12 +9,13 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use regex::Regex;
 use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
 use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
-use sala_gptq::model::{AttentionMode, Numerics, SalaConfig};
+use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
 use sala_gptq::{
     LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
     QuantPlan, QuantizeOptions, Recipe, Report, Sample, Stage,
 };
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -134,6 +135,10 @@ pub struct Args {
     /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
     #[arg(long)]
     max_host_memory: Option<u64>,
+    /// Samples of similar length run through a layer together until a pack holds this many
+    /// tokens (a longer sample runs alone); 1 runs one sample at a time.
+    #[arg(long, default_value_t = sala_gptq::DEFAULT_PACK_TOKENS)]
+    pack_tokens: usize,
     /// Skip (and report) samples whose forward pass fails instead of stopping.
     #[arg(long)]
     skip_failed_samples: bool,
@@ -298,10 +303,14 @@ impl DeviceJob for QuantizeJob<'_> {
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<Report, Box<dyn std::error::Error>> {
         let mut pipeline = Pipeline::<B>::new(device, self.options).with_solver(solver);
         if let Some(probe) = memory {
             pipeline = pipeline.with_memory_probe(probe);
+        }
+        if let Some(fast) = fast {
+            pipeline = pipeline.with_fast_ops(fast);
         }
         let mut progress = Bars::new(self.quiet);
         Ok(pipeline.run(self.input, self.output, self.samples, &mut progress)?)
@@ -359,6 +368,7 @@ fn options_from(
     }
     options.max_host_memory = args.max_host_memory.map(|mb| mb * 1_000_000);
     options.skip_failed_samples = args.skip_failed_samples;
+    options.pack_tokens = args.pack_tokens;
     args.device.configure(
         &mut options,
         args.f32,

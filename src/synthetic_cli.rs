@@ -6,7 +6,7 @@
 use crate::device::{dispatch, DeviceArg, DeviceJob};
 use burn::tensor::backend::Backend;
 use clap::{Parser, ValueEnum};
-use sala_gptq::model::SalaConfig;
+use sala_gptq::model::{FastOps, SalaConfig};
 use sala_gptq::report::device_memory_text;
 use sala_gptq::synthetic::{random_samples, PRODUCTION_TOKENS};
 use sala_gptq::{
@@ -15,6 +15,7 @@ use sala_gptq::{
 };
 use std::error::Error;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The released MiniCPM-SALA 9B `config.json` (a copy under `fixtures/`).
@@ -174,6 +175,7 @@ impl DeviceJob for SyntheticJob<'_> {
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<SyntheticReport, Box<dyn Error>> {
         let model = SyntheticModel::<B>::new(self.config, self.seed, &device);
         let scratch = std::env::temp_dir();
@@ -182,6 +184,7 @@ impl DeviceJob for SyntheticJob<'_> {
             options: &self.options,
             solver: solver.as_ref(),
             memory,
+            fast,
             layers: self.layers,
             target_tokens: self.target_tokens,
             scratch: &scratch,

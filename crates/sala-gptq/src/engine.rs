@@ -8,12 +8,14 @@ use crate::error::PipelineError;
 use crate::hidden::{HiddenBudget, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
 use crate::options::QuantizeOptions;
+use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
 use crate::smoothing::{fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
@@ -306,6 +308,32 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         Ok(())
     }
 
+    /// The active samples grouped into packs ([`pack_samples`] with `options.pack_tokens`).
+    fn packs(&self) -> Vec<Vec<usize>> {
+        let samples: Vec<(usize, usize)> = self
+            .active
+            .iter()
+            .map(|&i| (i, self.samples[i].ids.len()))
+            .collect();
+        pack_samples(&samples, self.options.pack_tokens)
+    }
+
+    /// Token counts of a pack's samples.
+    fn lengths(&self, pack: &[usize]) -> Vec<usize> {
+        pack.iter().map(|&i| self.samples[i].ids.len()).collect()
+    }
+
+    /// A pack's forward pass failed as a whole: every sample of it failed with `message`.
+    fn pack_failed(
+        &mut self,
+        pack: &[usize],
+        layer: usize,
+        message: &str,
+    ) -> Result<(), PipelineError> {
+        pack.iter()
+            .try_for_each(|&i| self.sample_failed(i, layer, message.to_owned()))
+    }
+
     /// Runs the layer on every active sample, feeding each needed input to its statistics.
     /// Returns the finalized statistics per input group and the seconds spent accumulating
     /// and finalizing them.
@@ -333,36 +361,47 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let device_weights = runner.upload(weights)?;
         let device = runner.device();
         let mut accumulate = 0.0;
-        for i in self.active.clone() {
-            let mut tap_error: Option<String> = None;
-            let result = runner.run_layer_from(&device_weights, hidden.load(i), |name, input| {
+        for pack in self.packs() {
+            let lengths = self.lengths(&pack);
+            let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
+            // The first failure in the taps: the sample (index in the pack) it names, if any.
+            let mut tap_error: Option<(Option<usize>, String)> = None;
+            let result = runner.capture_pack_from(&device_weights, input, &lengths, |name, x| {
                 let Some(&g) = first_reader.get(name) else {
                     return;
                 };
                 if tap_error.is_some() {
                     return;
                 }
-                let added = sync::<B>(device).and_then(|()| {
-                    let t = Instant::now();
-                    let added = match stats[g].as_mut() {
-                        Some(s) => s.add(input).map_err(|e| format!("{name}: {e}")),
-                        None => Ok(()),
-                    };
-                    let synced = sync::<B>(device);
-                    accumulate += seconds_since(t);
-                    added.and(synced)
-                });
-                if let Err(e) = added {
+                if let Err(e) = sync::<B>(device) {
+                    tap_error = Some((None, e));
+                    return;
+                }
+                let t = Instant::now();
+                let added = match stats[g].as_mut() {
+                    Some(s) => s
+                        .add_pack(x, &lengths)
+                        .map_err(|(s, e)| (Some(s), format!("{name}: {e}"))),
+                    None => Ok(()),
+                };
+                let synced = sync::<B>(device).map_err(|e| (None, e));
+                accumulate += seconds_since(t);
+                if let Err(e) = added.and(synced) {
                     tap_error = Some(e);
                 }
             });
             match (result, tap_error) {
-                (Ok(_), None) => {}
-                (Err(e), _) => self.sample_failed(i, layer, e.to_string())?,
-                (Ok(_), Some(message)) => self.sample_failed(i, layer, message)?,
+                (Ok(()), None) => {}
+                (Ok(()), Some((Some(s), message))) => {
+                    self.sample_failed(pack[s], layer, message)?
+                }
+                (Err(e), _) => self.pack_failed(&pack, layer, &e.to_string())?,
+                (Ok(()), Some((None, message))) => self.pack_failed(&pack, layer, &message)?,
             }
             self.sample_memory();
-            progress.step();
+            for _ in &pack {
+                progress.step();
+            }
         }
         sync::<B>(device).map_err(|message| PipelineError::Device { layer, message })?;
         let t = Instant::now();
@@ -659,15 +698,34 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     ) -> Result<(), PipelineError> {
         let runner = self.runner;
         let device_weights: DeviceLayerWeights<B> = runner.upload(weights)?;
-        for i in self.active.clone() {
-            match runner.run_layer_from(&device_weights, hidden.load(i), |_, _| {}) {
-                Ok(y) => hidden.store(i, y),
-                Err(e) => self.sample_failed(i, layer, e.to_string())?,
+        let width = self.config().hidden_size();
+        for pack in self.packs() {
+            let lengths = self.lengths(&pack);
+            let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
+            match runner.run_pack_from(&device_weights, input, &lengths, |_, _| {}) {
+                Ok(y) => {
+                    let mut start = 0;
+                    for (&i, &len) in pack.iter().zip(&lengths) {
+                        hidden.store(i, y.clone().slice([start..start + len, 0..width]));
+                        start += len;
+                    }
+                }
+                Err(e) => self.pack_failed(&pack, layer, &e.to_string())?,
             }
             self.sample_memory();
-            progress.step();
+            for _ in &pack {
+                progress.step();
+            }
         }
         sync::<B>(runner.device()).map_err(|message| PipelineError::Device { layer, message })
+    }
+}
+
+/// The samples of a pack back to back (the sample itself for a pack of one).
+fn concat_rows<B: Backend>(parts: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
+    match <[Tensor<B, 2>; 1]>::try_from(parts) {
+        Ok([one]) => one,
+        Err(parts) => Tensor::cat(parts, 0),
     }
 }
 

@@ -7,6 +7,7 @@
 //!   before any compute ([`QuantPlan`]);
 //! - [`options`]: everything a run is told ([`QuantizeOptions`]), with the original defaults;
 //! - [`pipeline`]: a whole run into a checkpoint ([`Pipeline`]), then verify;
+//! - [`packing`]: which samples run through a layer together ([`pack_samples`]);
 //! - [`engine`]: the layer-by-layer data path ([`LayerEngine`]) shared by the pipeline and the
 //!   synthetic benchmark: capture, accumulate, smooth, solve, write, propagate;
 //! - [`solver`]: the solve stage's seam ([`LinearSolver`]; [`CpuSolver`] by default, a GPU
@@ -14,6 +15,9 @@
 //! - [`io`]: where weights come from ([`WeightSource`]) and where layers go ([`LayerSink`]);
 //! - [`synthetic`]: a full-size model with random weights for throughput and memory
 //!   measurements, and the projection of a full run from a few layers;
+//! - [`forward_bench`]: one layer's capture and propagate passes timed per case (packs of
+//!   short samples, one long sample), fixed and per-token cost apart, and the projection of a
+//!   full run's forward passes;
 //! - [`smoothing`]: SmoothQuant groups from the model's wiring, folded exactly;
 //! - [`evaluate`]: running an exported checkpoint (either format) for comparisons;
 //! - [`report`]: what happened, per linear and per layer ([`Report`]);
@@ -24,9 +28,11 @@
 pub mod engine;
 mod error;
 pub mod evaluate;
+pub mod forward_bench;
 mod hidden;
 pub mod io;
 pub mod options;
+pub mod packing;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
@@ -39,7 +45,8 @@ pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
-pub use options::{GptqOptions, QuantizeOptions};
+pub use options::{GptqOptions, QuantizeOptions, DEFAULT_PACK_TOKENS};
+pub use packing::pack_samples;
 pub use pipeline::Pipeline;
 pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,

@@ -49,6 +49,11 @@ impl GptqOptions {
     }
 }
 
+/// Default tokens per pack ([`QuantizeOptions::pack_tokens`]): enough rows for the GEMMs to
+/// fill a large GPU, small enough that a pack's activations (`tokens × intermediate` bf16
+/// values, 0.5 GB at 16384 × 16384) stay a fraction of its memory.
+pub const DEFAULT_PACK_TOKENS: usize = 16_384;
+
 /// All options of a run.
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
@@ -76,6 +81,11 @@ pub struct QuantizeOptions {
     /// default). Non-finite activations are then found once per layer (naming the input, not
     /// the sample) and `skip_failed_samples` cannot skip them.
     pub device_statistics: bool,
+    /// Tokens per pack: samples of similar length run through each layer together, back to
+    /// back in one buffer (attention, RoPE and the GLA restart at each sample), until a pack
+    /// holds at least this many tokens; a longer sample is a pack of its own. `0` or `1`: one
+    /// sample per pass. Default [`DEFAULT_PACK_TOKENS`].
+    pub pack_tokens: usize,
     /// Count and skip a sample whose forward pass fails instead of stopping (reported).
     pub skip_failed_samples: bool,
     /// Also quantize every linear with RTN to report its error next to the solver's.
@@ -102,6 +112,7 @@ impl QuantizeOptions {
             max_host_memory: None,
             max_device_memory: None,
             device_statistics: false,
+            pack_tokens: DEFAULT_PACK_TOKENS,
             skip_failed_samples: false,
             compare_rtn: true,
             overwrite: false,

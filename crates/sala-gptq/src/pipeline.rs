@@ -13,9 +13,10 @@ use crate::report::{peak_rss_bytes, Report};
 use burn::tensor::backend::Backend;
 use sala_export::{CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, WriterOptions};
 use sala_hessian::solver::{CpuSolver, LinearSolver};
-use sala_model::{LayerRunner, SalaConfig, TensorStore};
+use sala_model::{FastOps, LayerRunner, SalaConfig, TensorStore};
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Runs a whole quantization: reads `input`, writes a verified checkpoint to `output`.
@@ -24,6 +25,7 @@ pub struct Pipeline<B: Backend> {
     options: QuantizeOptions,
     solver: Box<dyn LinearSolver>,
     memory: Option<MemoryProbe<B>>,
+    fast: Option<Arc<dyn FastOps<B>>>,
 }
 
 impl<B: Backend> Pipeline<B> {
@@ -34,7 +36,15 @@ impl<B: Backend> Pipeline<B> {
             options,
             solver: Box::new(CpuSolver),
             memory: None,
+            fast: None,
         }
+    }
+
+    /// Runs the model's heaviest steps with `fast` (e.g. `CubeFastOps` on CUDA) instead of
+    /// the Burn graph.
+    pub fn with_fast_ops(mut self, fast: Arc<dyn FastOps<B>>) -> Self {
+        self.fast = Some(fast);
+        self
     }
 
     /// Solves every linear with `solver` instead (e.g. a GPU implementation).
@@ -100,7 +110,10 @@ impl<B: Backend> Pipeline<B> {
                 source_model: Some(input.to_path_buf()),
             },
         )?;
-        let runner = LayerRunner::<B>::new(config.clone(), self.device.clone(), self.options.run);
+        let runner = with_fast(
+            LayerRunner::<B>::new(config.clone(), self.device.clone(), self.options.run),
+            self.fast.clone(),
+        );
         let source = CheckpointSource {
             store: &store,
             config: &config,
@@ -229,5 +242,16 @@ pub fn quantization_config(plan: &QuantPlan, options: &QuantizeOptions) -> Quant
                 .collect();
             QuantizationConfig::Nvfp4(Nvfp4Config::new(excluded))
         }
+    }
+}
+
+/// `runner` with `fast` installed, if any.
+pub(crate) fn with_fast<B: Backend>(
+    runner: LayerRunner<B>,
+    fast: Option<Arc<dyn FastOps<B>>>,
+) -> LayerRunner<B> {
+    match fast {
+        Some(fast) => runner.with_fast_ops(fast),
+        None => runner,
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::error::PipelineError;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 use sala_hessian::layout::symmetric_from_lower;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
@@ -71,17 +71,44 @@ impl<B: Backend> InputStats<B> {
 
     /// Adds one sample's input `x` `[tokens, dim]`: downloaded for host statistics, in f32 on
     /// the device otherwise.
+    #[cfg(test)]
     pub(crate) fn add(&mut self, x: &Tensor<B, 2>) -> Result<(), sala_hessian::HessianError> {
+        let tokens = x.dims()[0];
+        self.add_pack(x, &[tokens]).map_err(|(_, e)| e)
+    }
+
+    /// Adds the inputs `x` `[Σ lengths, dim]` of a pack of samples lying back to back, each
+    /// sample weighted by `1/its tokens` as if added alone: on the host sample by sample, on
+    /// the device in one product with every row scaled by `√(1/T)` (`Σᵢ XᵢᵀXᵢ/Tᵢ = (DX)ᵀ(DX)`).
+    /// A failure names the sample (its index in `lengths`).
+    pub(crate) fn add_pack(
+        &mut self,
+        x: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> Result<(), (usize, sala_hessian::HessianError)> {
         let [tokens, _] = x.dims();
-        let weight = 1.0 / tokens as f64;
         match self {
-            InputStats::Full(acc) => acc.add_sample(&host_values(x), tokens),
-            InputStats::Diagonal(acc) => acc.add_sample(&host_values(x), tokens),
+            InputStats::Full(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
+                acc.add_sample(rows, t).map_err(|e| (s, e))
+            }),
+            InputStats::Diagonal(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
+                acc.add_sample(rows, t).map_err(|e| (s, e))
+            }),
             InputStats::DeviceFull { sum, samples } => {
                 let x = to_f32(x.clone());
-                let xtx = x.clone().transpose().matmul(x).mul_scalar(weight);
+                let xtx = match lengths {
+                    [_] => x
+                        .clone()
+                        .transpose()
+                        .matmul(x)
+                        .mul_scalar(1.0 / tokens as f64),
+                    _ => {
+                        let scaled = x * row_weights::<B>(lengths, f64::sqrt, &sum.device());
+                        scaled.clone().transpose().matmul(scaled)
+                    }
+                };
                 *sum = sum.clone() + xtx;
-                *samples += 1;
+                *samples += lengths.len() as u64;
                 Ok(())
             }
             InputStats::DeviceDiagonal {
@@ -92,10 +119,12 @@ impl<B: Backend> InputStats<B> {
                 tokens: seen,
             } => {
                 let a = to_f32(x.clone()).abs();
-                *square = square.clone() + (a.clone() * a.clone()).sum_dim(0).mul_scalar(weight);
-                *abs = abs.clone() + a.clone().sum_dim(0).mul_scalar(weight);
+                let weights = row_weights::<B>(lengths, |w| w, &a.device());
+                let weighted = a.clone() * weights;
+                *square = square.clone() + (weighted.clone() * a.clone()).sum_dim(0);
+                *abs = abs.clone() + weighted.sum_dim(0);
                 *max = max.clone().max_pair(a.max_dim(0));
-                *samples += 1;
+                *samples += lengths.len() as u64;
                 *seen += tokens as u64;
                 Ok(())
             }
@@ -159,6 +188,35 @@ fn mirrored_lower(
     Hessian::from_mat(symmetric_from_lower(dim, |row, col| {
         sum[row * dim + col] as f64 * scale
     }))
+}
+
+/// Calls `add(sample, rows, tokens)` for each sample's rows of the pack's row-major `values`.
+fn add_rows<E>(
+    values: &[f32],
+    lengths: &[usize],
+    mut add: impl FnMut(usize, &[f32], usize) -> Result<(), E>,
+) -> Result<(), E> {
+    let width = values.len() / lengths.iter().sum::<usize>().max(1);
+    let mut start = 0;
+    for (sample, &len) in lengths.iter().enumerate() {
+        add(sample, &values[start * width..(start + len) * width], len)?;
+        start += len;
+    }
+    Ok(())
+}
+
+/// `[Σ lengths, 1]`: `f(1/T)` on every row of a sample of `T` tokens.
+fn row_weights<B: Backend>(
+    lengths: &[usize],
+    f: impl Fn(f64) -> f64,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let values: Vec<f32> = lengths
+        .iter()
+        .flat_map(|&len| std::iter::repeat_n(f(1.0 / len as f64) as f32, len))
+        .collect();
+    let rows = values.len();
+    Tensor::from_data(TensorData::new(values, [rows, 1]), (device, DType::F32))
 }
 
 /// The input as host f32 values (the statistics accept bf16-valued f32 exactly).
@@ -254,7 +312,6 @@ impl Finalized {
 mod tests {
     use super::*;
     use crate::CpuBackend;
-    use burn::tensor::TensorData;
 
     fn sample(values: Vec<f32>, tokens: usize, dim: usize) -> Tensor<CpuBackend, 2> {
         Tensor::from_data(TensorData::new(values, [tokens, dim]), &Default::default())
@@ -301,6 +358,54 @@ mod tests {
             }
             _ => panic!("diagonal statistics expected"),
         }
+    }
+
+    /// One pack of several samples gives the statistics of adding them one by one, on the
+    /// host (sample by sample) and on the device (rows scaled by √(1/T)).
+    #[test]
+    fn a_pack_weighs_each_sample_as_if_added_alone() {
+        let values: Vec<f32> = (0..27).map(|k| (k as f32 * 0.37).cos() * 3.0).collect();
+        let lengths = [4, 1, 4];
+        let pack = sample(values.clone(), 9, 3);
+        let alone: Vec<_> = [0..4, 4..5, 5..9]
+            .into_iter()
+            .map(|rows| sample(values[rows.start * 3..rows.end * 3].to_vec(), rows.len(), 3))
+            .collect();
+        let device = Default::default();
+        for kind in [StatsKind::Full, StatsKind::Diagonal] {
+            for on_device in [None, Some(&device)] {
+                let mut one_by_one = InputStats::<CpuBackend>::new(kind, 3, on_device).unwrap();
+                for x in &alone {
+                    one_by_one.add(x).unwrap();
+                }
+                let mut packed = InputStats::<CpuBackend>::new(kind, 3, on_device).unwrap();
+                packed.add_pack(&pack, &lengths).unwrap();
+                match (
+                    one_by_one.finalize("x").unwrap(),
+                    packed.finalize("x").unwrap(),
+                ) {
+                    (Finalized::Full(a), Finalized::Full(b)) => {
+                        close(&a.to_row_major(), &b.to_row_major())
+                    }
+                    (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
+                        close(&a.mean_square, &b.mean_square);
+                        close(&a.mean_abs, &b.mean_abs);
+                        assert_eq!(a.abs_max, b.abs_max);
+                        assert_eq!((a.samples, a.tokens), (b.samples, b.tokens));
+                    }
+                    _ => panic!("same kinds expected"),
+                }
+            }
+        }
+    }
+
+    /// A non-finite value in one sample of a pack names that sample (host statistics).
+    #[test]
+    fn a_bad_sample_in_a_pack_is_named() {
+        let mut host = InputStats::<CpuBackend>::new(StatsKind::Full, 2, None).unwrap();
+        let pack = sample(vec![1.0, 2.0, 3.0, f32::NAN, 5.0, 6.0], 3, 2);
+        let (index, _) = host.add_pack(&pack, &[1, 2]).unwrap_err();
+        assert_eq!(index, 1);
     }
 
     #[test]

@@ -209,6 +209,8 @@ pub struct SyntheticRun<'a, B: Backend> {
     pub solver: &'a dyn LinearSolver,
     /// Device memory probe (GPU runs).
     pub memory: Option<MemoryProbe<B>>,
+    /// Faster implementations of the model's heaviest steps on this backend, if any.
+    pub fast: Option<std::sync::Arc<dyn sala_model::FastOps<B>>>,
     /// Run the first `layers` decoder layers (at least 1, at most the model's).
     pub layers: usize,
     /// Tokens of the full calibration set the projection scales to.
@@ -236,8 +238,10 @@ impl<B: Backend> SyntheticRun<'_, B> {
             )));
         }
         let plan = QuantPlan::build(config, &self.options.plan)?;
-        let runner =
-            LayerRunner::<B>::new(config.clone(), self.model.device.clone(), self.options.run);
+        let runner = crate::pipeline::with_fast(
+            LayerRunner::<B>::new(config.clone(), self.model.device.clone(), self.options.run),
+            self.fast.clone(),
+        );
         let mut engine = LayerEngine::new(self.options, &plan, &runner, self.solver, samples)?
             .with_memory_probe(self.memory);
         progress.start(self.layers, samples.len());

@@ -83,6 +83,7 @@ fn run(options: &QuantizeOptions, solver: &dyn LinearSolver) -> SyntheticReport 
         options,
         solver,
         memory: None,
+        fast: None,
         layers: 2,
         target_tokens: 1_830_000,
         scratch: scratch.path(),
@@ -171,6 +172,23 @@ fn device_statistics_match_the_host_accumulators() {
     }
     let (a, b) = (host.total_output_error(), device.total_output_error());
     assert!((a - b).abs() <= 0.02 * a, "total: {a} vs {b}");
+}
+
+/// Running the samples as one pack (the default) quantizes like running them one at a time:
+/// the same statistics up to f32 summation order in the layers' products.
+#[test]
+fn packed_samples_quantize_like_samples_run_alone() {
+    let packed = run(&QuantizeOptions::new(Recipe::Gptq), &CpuSolver);
+    let mut options = QuantizeOptions::new(Recipe::Gptq);
+    options.pack_tokens = 1;
+    let alone = run(&options, &CpuSolver);
+    assert_eq!(packed.linears.len(), alone.linears.len());
+    for (p, a) in packed.linears.iter().zip(&alone.linears).take(8) {
+        let (x, y) = (p.output_error.unwrap(), a.output_error.unwrap());
+        assert!((x - y).abs() <= 1e-3 * x, "{}: {x} vs {y}", p.name);
+    }
+    let (x, y) = (packed.total_output_error(), alone.total_output_error());
+    assert!((x - y).abs() <= 0.02 * x, "total: {x} vs {y}");
 }
 
 #[test]

@@ -1,0 +1,347 @@
+//! Timing the calibration forward of single decoder layers, as a user's run would see it:
+//! per-layer fixed cost (weights generated, uploaded) apart from per-token cost (the capture
+//! pass with its Hessian products, the propagate pass), on packs of short samples and on one
+//! long sample, and the projection of a full calibration run from those figures.
+//!
+//! Every pass is synchronised with the device before and after its timer, run once untimed
+//! first (kernel compilation and autotuning), then timed `reps` times; the best time is kept
+//! (the least disturbed run of identical work).
+
+use crate::error::PipelineError;
+use crate::stats::{InputStats, StatsKind};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use sala_model::{
+    input_groups, DeviceLayerWeights, LayerKind, LayerRunner, LayerWeights, SalaConfig,
+};
+use serde::Serialize;
+use std::time::Instant;
+
+/// The calibration set of the production runs as `(samples, tokens each)`: the length mix of
+/// its buckets (60 samples under 1k tokens, 4 of 1k–10k, 17 of 10k–50k, 9 of 50k–100k and 6
+/// of 100k–131k; 1.83 M tokens), each bucket represented by one length chosen so that the
+/// total matches. The exact lengths are not public; this is the projection's assumption.
+pub const PRODUCTION_LENGTH_MIX: [(usize, usize); 5] = [
+    (60, 500),
+    (4, 5_000),
+    (17, 28_000),
+    (9, 72_000),
+    (6, 109_333),
+];
+
+/// One measured shape: sequences of `lengths` tokens run as one pack.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardCase {
+    /// Name in the report, e.g. `packed_1024` or `single_131072`.
+    pub name: String,
+    /// Tokens of each sequence of the pack.
+    pub lengths: Vec<usize>,
+}
+
+impl ForwardCase {
+    /// `count` sequences of `len` tokens in one pack, named `packed_<len>` (or `single_<len>`
+    /// for one sequence).
+    pub fn uniform(count: usize, len: usize) -> Self {
+        let name = if count == 1 {
+            format!("single_{len}")
+        } else {
+            format!("packed_{len}")
+        };
+        Self {
+            name,
+            lengths: vec![len; count],
+        }
+    }
+
+    /// Tokens of the pack.
+    pub fn tokens(&self) -> usize {
+        self.lengths.iter().sum()
+    }
+}
+
+/// The fixed cost of bringing one layer's weights to the device.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerFixedCost {
+    /// `minicpm4`, `lightning` or `llama`.
+    pub kind: String,
+    /// Seconds to upload the layer's weights (f32 host → storage dtype on the device); the
+    /// pipeline uploads twice per layer (capture, then the quantized weights to propagate).
+    pub upload_s: f64,
+}
+
+/// The figures of one layer kind on one case.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardMeasurement {
+    /// `minicpm4`, `lightning` or `llama`.
+    pub kind: String,
+    /// The case's name.
+    pub case: String,
+    /// Sequences in the pack.
+    pub sequences: usize,
+    /// Tokens in the pack.
+    pub tokens: usize,
+    /// Best seconds of the propagate pass (the whole layer, no taps).
+    pub propagate_s: f64,
+    /// Best seconds of the capture pass (up to `down_proj`'s input, every input's Hessian
+    /// `XᵀX` accumulated on the device).
+    pub capture_s: f64,
+    /// Propagate milliseconds per 1000 tokens.
+    pub ms_per_1k_tokens: f64,
+    /// Capture milliseconds per 1000 tokens.
+    pub capture_ms_per_1k_tokens: f64,
+    /// Floating-point operations of the propagate pass ([`layer_flop`]).
+    pub flop: f64,
+    /// `flop / propagate_s`, in TFLOP/s.
+    pub tflops: f64,
+}
+
+/// The per-token cost of one layer kind as a function of the sample length `L`:
+/// `a + b·L` seconds per token (attention grows with `L`; the rest does not), fitted through
+/// two measured lengths.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PerTokenCost {
+    /// Seconds per token independent of the length.
+    pub base_s: f64,
+    /// Seconds per token per token of sample length.
+    pub per_length_s: f64,
+}
+
+impl PerTokenCost {
+    /// The line through `(short_len, short_cost)` and `(long_len, long_cost)` (seconds per
+    /// token); a flat line when the lengths are equal. The slope is kept at 0 or above: a
+    /// longer sample never costs less per token.
+    pub fn fit(short_len: usize, short_cost: f64, long_len: usize, long_cost: f64) -> Self {
+        let slope = if long_len > short_len {
+            ((long_cost - short_cost) / (long_len - short_len) as f64).max(0.0)
+        } else {
+            0.0
+        };
+        Self {
+            base_s: short_cost - slope * short_len as f64,
+            per_length_s: slope,
+        }
+    }
+
+    /// Seconds for one sample of `len` tokens.
+    pub fn sample_seconds(&self, len: usize) -> f64 {
+        let len_f = len as f64;
+        len_f * (self.base_s + self.per_length_s * len_f).max(0.0)
+    }
+}
+
+/// The projected forward time of a full run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardProjection {
+    /// Calibration tokens of the projected run.
+    pub tokens: u64,
+    /// Samples of the projected run.
+    pub samples: usize,
+    /// Seconds of per-layer fixed work (two uploads per layer, every layer).
+    pub fixed_s: f64,
+    /// Seconds of capture passes over every sample and layer.
+    pub capture_s: f64,
+    /// Seconds of propagate passes over every sample and layer.
+    pub propagate_s: f64,
+    /// `fixed_s + capture_s + propagate_s`.
+    pub total_s: f64,
+}
+
+/// Projects the forward passes of a run over samples of `mix` (`(count, tokens)` pairs) on a
+/// model of `config`, from each layer kind's fixed cost and per-token costs (capture,
+/// propagate). Layer kinds without figures are an error.
+pub fn project_forward(
+    config: &SalaConfig,
+    mix: &[(usize, usize)],
+    fixed: &[LayerFixedCost],
+    costs: &[(String, PerTokenCost, PerTokenCost)],
+) -> Result<ForwardProjection, PipelineError> {
+    let mut projection = ForwardProjection {
+        tokens: mix.iter().map(|&(n, len)| (n * len) as u64).sum(),
+        samples: mix.iter().map(|&(n, _)| n).sum(),
+        fixed_s: 0.0,
+        capture_s: 0.0,
+        propagate_s: 0.0,
+        total_s: 0.0,
+    };
+    for layer in 0..config.num_layers() {
+        let kind = crate::plan::kind_name(config.layer_kind(layer));
+        let missing = || PipelineError::Unsupported(format!("no {kind} layer was measured"));
+        let upload = fixed.iter().find(|f| f.kind == kind).ok_or_else(missing)?;
+        let (_, capture, propagate) = costs.iter().find(|c| c.0 == kind).ok_or_else(missing)?;
+        projection.fixed_s += 2.0 * upload.upload_s;
+        for &(count, len) in mix {
+            projection.capture_s += count as f64 * capture.sample_seconds(len);
+            projection.propagate_s += count as f64 * propagate.sample_seconds(len);
+        }
+    }
+    projection.total_s = projection.fixed_s + projection.capture_s + projection.propagate_s;
+    Ok(projection)
+}
+
+/// Floating-point operations of one propagate pass of a `kind` layer of `config` over
+/// sequences of `lengths`: every linear (`2·tokens·out·in`), causal softmax attention
+/// (`2·2·heads·d·L(L+1)/2` per sequence: scores and the weighted sum, the causal half) and
+/// the Simple GLA at its recurrent cost (`4·heads·d²` per token: state update and readout).
+/// Elementwise work is not counted.
+pub fn layer_flop(config: &SalaConfig, layer: usize, lengths: &[usize]) -> f64 {
+    let tokens: f64 = lengths.iter().sum::<usize>() as f64;
+    let linears: f64 = config
+        .linear_specs(layer)
+        .iter()
+        .map(|l| (l.out_features * l.in_features) as f64)
+        .sum();
+    let mixer = match config.layer_kind(layer) {
+        LayerKind::Lightning => config.lightning_heads().map_or(0.0, |h| {
+            4.0 * (h.heads * h.head_dim * h.head_dim) as f64 * tokens
+        }),
+        LayerKind::Minicpm4 | LayerKind::Llama => {
+            let h = config.attention_heads();
+            lengths
+                .iter()
+                .map(|&l| 2.0 * (h.heads * h.head_dim) as f64 * (l as f64) * (l as f64 + 1.0))
+                .sum()
+        }
+    };
+    2.0 * tokens * linears + mixer
+}
+
+/// Times one layer on one case: the capture pass (Hessians of every input on the device,
+/// as `--device cuda` accumulates them) and the propagate pass, each once untimed, then best
+/// of `reps`. `hidden` is the pack's input `[tokens, hidden]`.
+pub fn measure_case<B: Backend>(
+    runner: &LayerRunner<B>,
+    weights: &LayerWeights,
+    device_weights: &DeviceLayerWeights<B>,
+    case: &ForwardCase,
+    hidden: Tensor<B, 2>,
+    reps: usize,
+) -> Result<(ForwardMeasurement, Tensor<B, 2>), PipelineError> {
+    let config = runner.config();
+    let layer = weights.layer;
+    let device = runner.device();
+    let groups = input_groups(config, layer);
+    let sync = || {
+        B::sync(device).map_err(|e| PipelineError::Device {
+            layer,
+            message: e.to_string(),
+        })
+    };
+    let capture = || -> Result<f64, PipelineError> {
+        let mut stats = Vec::with_capacity(groups.len());
+        for group in &groups {
+            let dim = weights.get(&format!("{}.weight", group.readers[0]))?.shape[1];
+            let s = InputStats::<B>::new(StatsKind::Full, dim, Some(device)).map_err(|source| {
+                PipelineError::Solve {
+                    linear: group.readers[0].clone(),
+                    source,
+                }
+            })?;
+            stats.push((group.readers[0].clone(), s));
+        }
+        sync()?;
+        let t = Instant::now();
+        runner.capture_pack_from(device_weights, hidden.clone(), &case.lengths, |name, x| {
+            if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
+                // Device statistics cannot fail here (finiteness is checked at finalize).
+                let _ = s.add_pack(x, &case.lengths);
+            }
+        })?;
+        sync()?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let mut output = None;
+    let mut propagate = || -> Result<f64, PipelineError> {
+        sync()?;
+        let t = Instant::now();
+        let y = runner.run_pack_from(device_weights, hidden.clone(), &case.lengths, |_, _| {})?;
+        sync()?;
+        let seconds = t.elapsed().as_secs_f64();
+        output = Some(y);
+        Ok(seconds)
+    };
+    let best = |f: &mut dyn FnMut() -> Result<f64, PipelineError>| -> Result<f64, PipelineError> {
+        f()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            best = best.min(f()?);
+        }
+        Ok(best)
+    };
+    let mut capture = capture;
+    let capture_s = best(&mut capture)?;
+    let propagate_s = best(&mut propagate)?;
+    let output = output.ok_or_else(|| PipelineError::NoSamples("nothing was run".into()))?;
+    let tokens = case.tokens();
+    let flop = layer_flop(config, layer, &case.lengths);
+    let per_1k = |s: f64| 1000.0 * s * 1000.0 / tokens as f64;
+    Ok((
+        ForwardMeasurement {
+            kind: crate::plan::kind_name(config.layer_kind(layer)).to_owned(),
+            case: case.name.clone(),
+            sequences: case.lengths.len(),
+            tokens,
+            propagate_s,
+            capture_s,
+            ms_per_1k_tokens: per_1k(propagate_s),
+            capture_ms_per_1k_tokens: per_1k(capture_s),
+            flop,
+            tflops: flop / propagate_s / 1e12,
+        },
+        output,
+    ))
+}
+
+/// Uploads `weights` for `runner`, timed (synchronised before and after).
+pub fn timed_upload<B: Backend>(
+    runner: &LayerRunner<B>,
+    weights: &LayerWeights,
+) -> Result<(DeviceLayerWeights<B>, LayerFixedCost), PipelineError> {
+    let sync = || {
+        B::sync(runner.device()).map_err(|e| PipelineError::Device {
+            layer: weights.layer,
+            message: e.to_string(),
+        })
+    };
+    sync()?;
+    let t = Instant::now();
+    let device_weights = runner.upload(weights)?;
+    sync()?;
+    let fixed = LayerFixedCost {
+        kind: crate::plan::kind_name(weights.kind).to_owned(),
+        upload_s: t.elapsed().as_secs_f64(),
+    };
+    Ok((device_weights, fixed))
+}
+
+/// A random layer input `[tokens, hidden]`, `N(0, 1)`, in the runner's storage dtype.
+pub fn random_hidden<B: Backend>(runner: &LayerRunner<B>, tokens: usize) -> Tensor<B, 2> {
+    Tensor::<B, 2>::random(
+        [tokens, runner.config().hidden_size()],
+        Distribution::Normal(0.0, 1.0),
+        runner.device(),
+    )
+    .cast(runner.storage_dtype())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fitted_line_passes_through_both_points_and_never_falls() {
+        let cost = PerTokenCost::fit(1024, 2e-6, 131_072, 10e-6);
+        assert!((cost.sample_seconds(1024) - 1024.0 * 2e-6).abs() < 1e-12);
+        assert!((cost.sample_seconds(131_072) - 131_072.0 * 10e-6).abs() < 1e-9);
+        let flat = PerTokenCost::fit(1024, 5e-6, 131_072, 4e-6);
+        assert_eq!(flat.per_length_s, 0.0);
+        assert!((flat.sample_seconds(50_000) - 50_000.0 * 5e-6).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_production_mix_has_the_calibration_sets_size() {
+        let samples: usize = PRODUCTION_LENGTH_MIX.iter().map(|m| m.0).sum();
+        let tokens: usize = PRODUCTION_LENGTH_MIX.iter().map(|m| m.0 * m.1).sum();
+        assert_eq!(samples, 96);
+        assert!((1_825_000..1_835_000).contains(&tokens), "{tokens}");
+    }
+}

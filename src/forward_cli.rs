@@ -1,0 +1,477 @@
+//! The `bench_forward` command: one layer of each kind of the real MiniCPM-SALA configuration
+//! (random weights), timed on packs of short samples and on one long sample — the upload of
+//! the weights (per layer) apart from the capture and propagate passes (per token) — and the
+//! projection of the production calibration run's forward passes from those figures. Can dump
+//! each layer's weights, inputs and outputs for the PyTorch comparison (`bench/torch_layer.py`).
+
+use crate::device::{dispatch, DeviceArg, DeviceJob};
+use crate::synthetic_cli::SALA_9B_CONFIG;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+use clap::Parser;
+use sala_gptq::forward_bench::{
+    measure_case, project_forward, random_hidden, timed_upload, ForwardCase, ForwardMeasurement,
+    ForwardProjection, LayerFixedCost, PerTokenCost, PRODUCTION_LENGTH_MIX,
+};
+use sala_gptq::model::{FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, SalaConfig};
+use sala_gptq::{LinearSolver, MemoryProbe, SyntheticModel, WeightSource};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Time one layer of each kind (capture and propagate passes, weight upload) on packs of short samples and one long sample, and project the production run's forward passes"
+)]
+pub struct Args {
+    /// Where the model runs (`cuda` needs a binary built with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// A `config.json` to use instead of the released 9B one (e.g. fixtures/tiny-sala/config.json).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The cases, `COUNTxLEN` each (COUNT sequences of LEN tokens in one pack), comma-separated.
+    /// The projection fits each layer kind's per-token cost through the shortest and the
+    /// longest sequence length measured.
+    #[arg(long, default_value = "8x1024,16x1024,1x131072")]
+    cases: String,
+    /// Timed repetitions of each pass (after one untimed run); the best is kept.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Seed of the weights and the inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write each layer's weights and each case's input and output (bf16 safetensors, with a
+    /// `meta.json`) into this directory, for `bench/torch_layer.py`.
+    #[arg(long)]
+    dump: Option<PathBuf>,
+    /// Run in f32 without bf16 storage (GPU) or rounding.
+    #[arg(long)]
+    f32: bool,
+}
+
+/// What `bench_forward` measured.
+#[derive(Debug, Serialize)]
+pub struct ForwardReport {
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// Whether CubeCL's kernel cache (`target/cuda`) held kernels when the run started
+    /// (`warm`) or not (`cold`); a cold run's first passes include compilation, which the
+    /// untimed first run of every pass absorbs.
+    pub kernel_cache: String,
+    /// Whether the backend's fast kernels (`FastOps`) ran.
+    pub fast_ops: bool,
+    /// Timed repetitions per pass.
+    pub reps: usize,
+    /// Per layer kind: seconds to upload its weights.
+    pub fixed: Vec<LayerFixedCost>,
+    /// Per layer kind and case.
+    pub measurements: Vec<ForwardMeasurement>,
+    /// Per layer kind: the fitted per-token cost of the capture and propagate passes.
+    pub per_token: Vec<KindCost>,
+    /// The production calibration run's forward passes, projected.
+    pub projection: ForwardProjection,
+}
+
+/// The per-token costs of one layer kind.
+#[derive(Debug, Serialize)]
+pub struct KindCost {
+    /// Layer kind.
+    pub kind: String,
+    /// Capture pass.
+    pub capture: PerTokenCost,
+    /// Propagate pass.
+    pub propagate: PerTokenCost,
+}
+
+/// Parses `--cases`.
+fn parse_cases(text: &str) -> Result<Vec<ForwardCase>, String> {
+    text.split(',')
+        .map(|case| {
+            let (count, len) = case
+                .trim()
+                .split_once('x')
+                .ok_or_else(|| format!("--cases: {case:?} is not COUNTxLEN"))?;
+            let parse = |v: &str| {
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0 && n <= 1 << 24)
+                    .ok_or_else(|| format!("--cases: {case:?}: {v:?} is not a count in 1..=2^24"))
+            };
+            let (count, len) = (parse(count)?, parse(len)?);
+            count
+                .checked_mul(len)
+                .filter(|&t| t <= 1 << 24)
+                .ok_or_else(|| format!("--cases: {case:?} has more than 2^24 tokens"))?;
+            Ok(ForwardCase::uniform(count, len))
+        })
+        .collect()
+}
+
+/// Runs `bench_forward` with `args`, prints a table and returns the report.
+pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
+    args.device.check_available("bench_forward")?;
+    let cases = parse_cases(&args.cases)?;
+    let config = match &args.config {
+        Some(path) => SalaConfig::from_file(path)?,
+        None => SalaConfig::from_json_str(
+            SALA_9B_CONFIG,
+            Path::new("fixtures/minicpm-sala-9b-config.json"),
+        )?,
+    };
+    if let Some(dir) = &args.dump {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--dump {}: {e}", dir.display()))?;
+    }
+    let kernel_cache = if Path::new("target/cuda")
+        .read_dir()
+        .is_ok_and(|mut d| d.next().is_some())
+    {
+        "warm"
+    } else {
+        "cold"
+    };
+    let job = ForwardJob {
+        config,
+        cases,
+        reps: args.reps,
+        seed: args.seed,
+        dump: args.dump.clone(),
+        numerics: if args.f32 {
+            Numerics::F32
+        } else if args.device == DeviceArg::Cuda {
+            Numerics::Bf16Storage
+        } else {
+            Numerics::Bf16Rounding
+        },
+        device_name: format!("{:?}", args.device).to_lowercase(),
+        kernel_cache: kernel_cache.into(),
+    };
+    let report = dispatch(args.device, "bench_forward", true, job)?;
+    print_report(&report);
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).map_err(|e| format!("--json {}: {e}", path.display()))?;
+    }
+    Ok(report)
+}
+
+struct ForwardJob {
+    config: SalaConfig,
+    cases: Vec<ForwardCase>,
+    reps: usize,
+    seed: u64,
+    dump: Option<PathBuf>,
+    numerics: Numerics,
+    device_name: String,
+    kernel_cache: String,
+}
+
+impl DeviceJob for ForwardJob {
+    type Output = ForwardReport;
+
+    fn run<B: Backend>(
+        self,
+        device: B::Device,
+        _memory: Option<MemoryProbe<B>>,
+        _solver: Box<dyn LinearSolver>,
+        fast: Option<Arc<dyn FastOps<B>>>,
+    ) -> Result<ForwardReport, Box<dyn Error>> {
+        let options = sala_gptq::model::RunOptions {
+            numerics: self.numerics,
+            attention: sala_gptq::model::AttentionMode::Dense,
+            ..Default::default()
+        };
+        let mut runner = LayerRunner::<B>::new(self.config.clone(), device.clone(), options);
+        let fast_ops = fast.is_some();
+        if let Some(fast) = fast {
+            runner = runner.with_fast_ops(fast);
+        }
+        let model = SyntheticModel::<B>::new(self.config.clone(), self.seed, &device);
+        let mut fixed = Vec::new();
+        let mut measurements = Vec::new();
+        let mut per_token = Vec::new();
+        let mut meta = BTreeMap::new();
+        for layer in first_layer_of_each_kind(&self.config) {
+            let weights = model.layer(layer)?;
+            let (device_weights, cost) = timed_upload(&runner, &weights)?;
+            eprintln!("{}: weights uploaded in {:.3} s", cost.kind, cost.upload_s);
+            if let Some(dir) = &self.dump {
+                dump_weights(dir, &cost.kind, &weights)?;
+            }
+            let mut kind_measurements = Vec::new();
+            for case in &self.cases {
+                B::seed(&device, self.seed ^ case.tokens() as u64);
+                let hidden = random_hidden(&runner, case.tokens());
+                let (m, output) = measure_case(
+                    &runner,
+                    &weights,
+                    &device_weights,
+                    case,
+                    hidden.clone(),
+                    self.reps,
+                )?;
+                eprintln!(
+                    "{} {}: propagate {:.3} ms/1k tokens ({:.1} TFLOP/s), capture {:.3} ms/1k",
+                    m.kind, m.case, m.ms_per_1k_tokens, m.tflops, m.capture_ms_per_1k_tokens
+                );
+                if let Some(dir) = &self.dump {
+                    dump_case(dir, &m.kind, &case.name, hidden, output)?;
+                    meta.insert(format!("{}_{}", m.kind, case.name), case.lengths.clone());
+                }
+                kind_measurements.push(m);
+            }
+            per_token.push(fit_kind(&cost.kind, &kind_measurements, &self.cases)?);
+            measurements.extend(kind_measurements);
+            fixed.push(cost);
+        }
+        if let Some(dir) = &self.dump {
+            write_meta(dir, &self.config, &meta)?;
+        }
+        let costs: Vec<(String, PerTokenCost, PerTokenCost)> = per_token
+            .iter()
+            .map(|k| (k.kind.clone(), k.capture, k.propagate))
+            .collect();
+        let projection = project_forward(&self.config, &PRODUCTION_LENGTH_MIX, &fixed, &costs)?;
+        Ok(ForwardReport {
+            device: self.device_name,
+            kernel_cache: self.kernel_cache,
+            fast_ops,
+            reps: self.reps,
+            fixed,
+            measurements,
+            per_token,
+            projection,
+        })
+    }
+}
+
+/// The first decoder layer of each kind in `config` (in layer order).
+fn first_layer_of_each_kind(config: &SalaConfig) -> Vec<usize> {
+    let mut seen: Vec<LayerKind> = Vec::new();
+    (0..config.num_layers())
+        .filter(|&l| {
+            let kind = config.layer_kind(l);
+            let new = !seen.contains(&kind);
+            seen.push(kind);
+            new
+        })
+        .collect()
+}
+
+/// A kind's per-token costs, fitted through its measurements at the shortest and the longest
+/// sequence length (the largest pack of each).
+fn fit_kind(
+    kind: &str,
+    measured: &[ForwardMeasurement],
+    cases: &[ForwardCase],
+) -> Result<KindCost, String> {
+    let length = |m: &ForwardMeasurement| m.tokens / m.sequences.max(1);
+    let pick = |longest: bool| {
+        measured
+            .iter()
+            .zip(cases)
+            .map(|(m, _)| m)
+            .max_by_key(|m| {
+                let len = length(m) as i64;
+                (if longest { len } else { -len }, m.tokens)
+            })
+            .ok_or_else(|| format!("no case measured for {kind}"))
+    };
+    let (short, long) = (pick(false)?, pick(true)?);
+    let per_token = |m: &ForwardMeasurement, s: f64| s / m.tokens as f64;
+    Ok(KindCost {
+        kind: kind.to_owned(),
+        capture: PerTokenCost::fit(
+            length(short),
+            per_token(short, short.capture_s),
+            length(long),
+            per_token(long, long.capture_s),
+        ),
+        propagate: PerTokenCost::fit(
+            length(short),
+            per_token(short, short.propagate_s),
+            length(long),
+            per_token(long, long.propagate_s),
+        ),
+    })
+}
+
+fn print_report(report: &ForwardReport) {
+    println!(
+        "device {} (kernel cache {}, fast kernels {}), best of {} runs",
+        report.device,
+        report.kernel_cache,
+        if report.fast_ops { "on" } else { "off" },
+        report.reps
+    );
+    for f in &report.fixed {
+        println!(
+            "{:>10}: weights upload {:.3} s per layer",
+            f.kind, f.upload_s
+        );
+    }
+    println!(
+        "{:>10} {:>16} {:>8} {:>14} {:>14} {:>10}",
+        "kind", "case", "tokens", "prop ms/1k", "capt ms/1k", "TFLOP/s"
+    );
+    for m in &report.measurements {
+        println!(
+            "{:>10} {:>16} {:>8} {:>14.3} {:>14.3} {:>10.1}",
+            m.kind, m.case, m.tokens, m.ms_per_1k_tokens, m.capture_ms_per_1k_tokens, m.tflops
+        );
+    }
+    let p = &report.projection;
+    println!(
+        "projected forward passes of {} samples / {} tokens: {:.1} s fixed + {:.1} s capture + {:.1} s propagate = {:.1} min",
+        p.samples,
+        p.tokens,
+        p.fixed_s,
+        p.capture_s,
+        p.propagate_s,
+        p.total_s / 60.0
+    );
+}
+
+/// Bytes of `tensor` as bf16 (converted on the host: not every backend has bf16 tensors).
+fn bf16_bytes<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<u8> {
+    tensor
+        .into_data()
+        .convert_dtype(DType::BF16)
+        .as_bytes()
+        .to_vec()
+}
+
+fn save(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<u8>)>) -> Result<(), Box<dyn Error>> {
+    let views = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
+
+fn dump_weights(dir: &Path, kind: &str, weights: &LayerWeights) -> Result<(), Box<dyn Error>> {
+    let prefix = format!("model.layers.{}.", weights.layer);
+    let tensors = weights
+        .tensors
+        .iter()
+        .map(|(name, t)| {
+            let bytes = t
+                .data
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect();
+            let short = name.strip_prefix(&prefix).unwrap_or(name).to_owned();
+            (short, t.shape.clone(), bytes)
+        })
+        .collect();
+    save(&dir.join(format!("{kind}_weights.safetensors")), tensors)
+}
+
+fn dump_case<B: Backend>(
+    dir: &Path,
+    kind: &str,
+    case: &str,
+    input: Tensor<B, 2>,
+    output: Tensor<B, 2>,
+) -> Result<(), Box<dyn Error>> {
+    let shape = input.dims().to_vec();
+    save(
+        &dir.join(format!("{kind}_{case}.safetensors")),
+        vec![
+            ("input".into(), shape.clone(), bf16_bytes(input)),
+            ("output".into(), shape, bf16_bytes(output)),
+        ],
+    )
+}
+
+/// `meta.json`: the numbers of the configuration the PyTorch layer needs, and each dumped
+/// case's sequence lengths.
+fn write_meta(
+    dir: &Path,
+    config: &SalaConfig,
+    cases: &BTreeMap<String, Vec<usize>>,
+) -> Result<(), Box<dyn Error>> {
+    let attention = config.attention_heads();
+    let lightning = config.lightning_heads();
+    let meta = serde_json::json!({
+        "hidden_size": config.hidden_size(),
+        "intermediate_size": config.intermediate_size(),
+        "rms_norm_eps": config.rms_norm_eps(),
+        "rope_theta": config.rope_theta(),
+        "residual_scale": config.residual_scale(),
+        "attention": {"heads": attention.heads, "kv_heads": attention.kv_heads, "head_dim": attention.head_dim},
+        "lightning": lightning.map(|h| serde_json::json!({"heads": h.heads, "head_dim": h.head_dim})),
+        "gla_log_decays": lightning.map(|h| sala_gptq::model::ops::gla::log_decays(h.heads)),
+        "cases": cases,
+    });
+    let path = dir.join("meta.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&meta)?)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cases_parse_and_bad_ones_name_themselves() {
+        let cases = parse_cases("16x1024, 1x131072").unwrap();
+        assert_eq!(cases[0].name, "packed_1024");
+        assert_eq!(cases[0].tokens(), 16_384);
+        assert_eq!(cases[1].name, "single_131072");
+        for bad in ["16*1024", "0x5", "3x", "x9", "100000x100000"] {
+            let err = parse_cases(bad).unwrap_err();
+            assert!(err.contains("--cases"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_tiny_run_measures_both_kinds_and_projects() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("forward.json");
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-sala/config.json");
+        let args = Args::parse_from([
+            "bench_forward",
+            "--config",
+            config.to_str().unwrap(),
+            "--cases",
+            "2x16,1x48",
+            "--reps",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+            "--dump",
+            dir.path().join("dump").to_str().unwrap(),
+        ]);
+        let report = run(args).unwrap();
+        let kinds: Vec<&str> = report.fixed.iter().map(|f| f.kind.as_str()).collect();
+        assert_eq!(kinds, ["minicpm4", "lightning"]);
+        assert_eq!(report.measurements.len(), 4);
+        assert!(report
+            .measurements
+            .iter()
+            .all(|m| m.propagate_s > 0.0 && m.capture_s > 0.0));
+        assert_eq!(report.projection.samples, 96);
+        assert!(report.projection.total_s > 0.0);
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        assert_eq!(written["measurements"][0]["case"], "packed_16");
+        let meta = std::fs::read_to_string(dir.path().join("dump/meta.json")).unwrap();
+        assert!(meta.contains("lightning_single_48"), "{meta}");
+        assert!(dir
+            .path()
+            .join("dump/lightning_weights.safetensors")
+            .exists());
+    }
+}
