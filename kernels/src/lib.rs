@@ -12,8 +12,11 @@
 //! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device;
 //! - [`flip`]: `P·M·P`, `P` the reversal ([`flip::reversed`]), for the cuSOLVER
 //!   route to GPTQ's factor;
+//! - [`attention`]: causal grouped-query flash attention over packed variable-length
+//!   sequences ([`causal_gqa_attention`]);
 //! - [`error`]: the one error type, [`KernelError`].
 
+pub mod attention;
 pub mod block_search;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -26,6 +29,7 @@ pub mod hessian;
 mod launch;
 pub mod solver;
 
+pub use attention::{attention_tiling, causal_gqa_attention, AttentionShape, AttentionTiling};
 pub use block_search::{nvfp4_block_search, DeviceBlockSearch};
 pub use device::{DeviceVec, Element, MatrixView};
 pub use error::KernelError;

@@ -4,6 +4,7 @@
 //! One test binary (one link) for every kernel; small matrices so that the whole suite runs
 //! in seconds on a software Vulkan driver.
 
+mod attention;
 mod block_search;
 mod common;
 mod flip;
