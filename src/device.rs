@@ -105,8 +105,23 @@ fn run_cuda<J: DeviceJob>(
     } else {
         cuda_solver()?
     };
-    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(sala_gptq::model::CubeFastOps);
+    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops());
     job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory), solver, Some(fast))
+}
+
+/// The model's fast path on device 0: the attention kernel, and cuBLAS linears when cuBLAS
+/// loads (else the linears stay on burn's matmul, with a warning).
+#[cfg(feature = "cuda")]
+fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
+    use sala_gptq::model::CudaFastOps;
+    use sala_kernels::cuda::Cublas;
+    match Cublas::new(0) {
+        Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas)),
+        Err(e) => {
+            eprintln!("warning: linears on burn's matmul: {e}");
+            CudaFastOps::attention_only()
+        }
+    }
 }
 
 /// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,

@@ -10,8 +10,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use clap::Parser;
 use sala_gptq::forward_bench::{
-    measure_case, project_forward, random_hidden, timed_upload, ForwardCase, ForwardMeasurement,
-    ForwardProjection, LayerFixedCost, PerTokenCost, PRODUCTION_LENGTH_MIX,
+    measure_case, measure_mixer, project_forward, random_hidden, timed_upload, ForwardCase,
+    ForwardMeasurement, ForwardProjection, LayerFixedCost, MixerMeasurement, PerTokenCost,
+    PRODUCTION_LENGTH_MIX,
 };
 use sala_gptq::model::{FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, SalaConfig};
 use sala_gptq::{LinearSolver, MemoryProbe, SyntheticModel, WeightSource};
@@ -72,6 +73,8 @@ pub struct ForwardReport {
     pub fixed: Vec<LayerFixedCost>,
     /// Per layer kind and case.
     pub measurements: Vec<ForwardMeasurement>,
+    /// The mixers' cores alone (attention, GLA) per layer kind and case.
+    pub mixers: Vec<MixerMeasurement>,
     /// Per layer kind: the fitted per-token cost of the capture and propagate passes.
     pub per_token: Vec<KindCost>,
     /// The production calibration run's forward passes, projected.
@@ -194,7 +197,9 @@ impl DeviceJob for ForwardJob {
         let model = SyntheticModel::<B>::new(self.config.clone(), self.seed, &device);
         let mut fixed = Vec::new();
         let mut measurements = Vec::new();
+        let mut mixers = Vec::new();
         let mut per_token = Vec::new();
+        let started = std::time::Instant::now();
         let mut meta = BTreeMap::new();
         for layer in first_layer_of_each_kind(&self.config) {
             let weights = model.layer(layer)?;
@@ -205,6 +210,17 @@ impl DeviceJob for ForwardJob {
             }
             let mut kind_measurements = Vec::new();
             for case in &self.cases {
+                if let Some(m) = measure_mixer(&runner, layer, case, self.reps)? {
+                    eprintln!(
+                        "[{:7.1} s] {} {}: {:.4} s ({:.1} TFLOP/s)",
+                        started.elapsed().as_secs_f64(),
+                        m.op,
+                        m.case,
+                        m.seconds,
+                        m.tflops
+                    );
+                    mixers.push(m);
+                }
                 B::seed(&device, self.seed ^ case.tokens() as u64);
                 let hidden = random_hidden(&runner, case.tokens());
                 let (m, output) = measure_case(
@@ -216,8 +232,13 @@ impl DeviceJob for ForwardJob {
                     self.reps,
                 )?;
                 eprintln!(
-                    "{} {}: propagate {:.3} ms/1k tokens ({:.1} TFLOP/s), capture {:.3} ms/1k",
-                    m.kind, m.case, m.ms_per_1k_tokens, m.tflops, m.capture_ms_per_1k_tokens
+                    "[{:7.1} s] {} {}: propagate {:.3} ms/1k tokens ({:.1} TFLOP/s), capture {:.3} ms/1k",
+                    started.elapsed().as_secs_f64(),
+                    m.kind,
+                    m.case,
+                    m.ms_per_1k_tokens,
+                    m.tflops,
+                    m.capture_ms_per_1k_tokens
                 );
                 if let Some(dir) = &self.dump {
                     dump_case(dir, &m.kind, &case.name, hidden, output)?;
@@ -244,6 +265,7 @@ impl DeviceJob for ForwardJob {
             reps: self.reps,
             fixed,
             measurements,
+            mixers,
             per_token,
             projection,
         })
@@ -466,7 +488,8 @@ mod tests {
         assert!(report.projection.total_s > 0.0);
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
-        assert_eq!(written["measurements"][0]["case"], "packed_16");
+        assert_eq!(written["measurements"][0]["case"], "packed_16_x2");
+        assert_eq!(report.mixers[0].op, "chunked_gla");
         let meta = std::fs::read_to_string(dir.path().join("dump/meta.json")).unwrap();
         assert!(meta.contains("lightning_single_48"), "{meta}");
         assert!(dir

@@ -380,8 +380,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 let t = Instant::now();
                 let added = match stats[g].as_mut() {
                     Some(s) => s
-                        .add_pack(x, &lengths)
-                        .map_err(|(s, e)| (Some(s), format!("{name}: {e}"))),
+                        .add_pack(x, &lengths, runner.fast_ops())
+                        .map_err(|(s, e)| (s, format!("{name}: {e}"))),
                     None => Ok(()),
                 };
                 let synced = sync::<B>(device).map_err(|e| (None, e));

@@ -39,13 +39,15 @@ pub struct ForwardCase {
 }
 
 impl ForwardCase {
-    /// `count` sequences of `len` tokens in one pack, named `packed_<len>` (or `single_<len>`
-    /// for one sequence).
+    /// `count` sequences of `len` tokens in one pack, named `packed_<len>` (at least
+    /// [`DEFAULT_PACK_TOKENS`](crate::options::DEFAULT_PACK_TOKENS) tokens),
+    /// `packed_<len>_x<count>` (fewer) or `single_<len>` (one sequence).
     pub fn uniform(count: usize, len: usize) -> Self {
-        let name = if count == 1 {
-            format!("single_{len}")
-        } else {
-            format!("packed_{len}")
+        let name = match count {
+            1 => format!("single_{len}"),
+            // The report's `packed_<len>` is a pack of at least the default pack size.
+            _ if count * len >= crate::options::DEFAULT_PACK_TOKENS => format!("packed_{len}"),
+            _ => format!("packed_{len}_x{count}"),
         };
         Self {
             name,
@@ -240,13 +242,18 @@ pub fn measure_case<B: Backend>(
         }
         sync()?;
         let t = Instant::now();
+        let mut failure = None;
         runner.capture_pack_from(device_weights, hidden.clone(), &case.lengths, |name, x| {
             if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
-                // Device statistics cannot fail here (finiteness is checked at finalize).
-                let _ = s.add_pack(x, &case.lengths);
+                if let Err((_, message)) = s.add_pack(x, &case.lengths, runner.fast_ops()) {
+                    failure.get_or_insert(format!("{name}: {message}"));
+                }
             }
         })?;
         sync()?;
+        if let Some(message) = failure {
+            return Err(PipelineError::Device { layer, message });
+        }
         Ok(t.elapsed().as_secs_f64())
     };
     let mut output = None;
@@ -289,6 +296,112 @@ pub fn measure_case<B: Backend>(
         },
         output,
     ))
+}
+
+/// The mixer's core alone on one case: causal attention (minicpm4, Llama; only through the
+/// runner's [`FastOps`](sala_model::FastOps)) or the chunked Simple GLA (lightning).
+#[derive(Debug, Clone, Serialize)]
+pub struct MixerMeasurement {
+    /// `causal_attention` or `chunked_gla`.
+    pub op: String,
+    /// The case's name.
+    pub case: String,
+    /// Best seconds of one call.
+    pub seconds: f64,
+    /// The op's share of [`layer_flop`] (attention or GLA) over `seconds`, in TFLOP/s.
+    pub tflops: f64,
+}
+
+/// Times the mixer core of a `layer` layer on random inputs of `case`'s shape (once untimed,
+/// then best of `reps`); `None` for attention without fast kernels (the graph's blocked
+/// attention is the reference, not a candidate).
+pub fn measure_mixer<B: Backend>(
+    runner: &LayerRunner<B>,
+    layer: usize,
+    case: &ForwardCase,
+    reps: usize,
+) -> Result<Option<MixerMeasurement>, PipelineError> {
+    let config = runner.config();
+    let device = runner.device();
+    let tokens = case.tokens();
+    let dtype = runner.storage_dtype();
+    let random = |shape: [usize; 3]| {
+        Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+    };
+    let sync = || {
+        B::sync(device).map_err(|e| PipelineError::Device {
+            layer,
+            message: e.to_string(),
+        })
+    };
+    type Call<'a> = Box<dyn FnMut() -> Result<(), PipelineError> + 'a>;
+    let (op, mut call): (&str, Call<'_>) = match config.layer_kind(layer) {
+        LayerKind::Lightning => {
+            let Some(h) = config.lightning_heads() else {
+                return Ok(None);
+            };
+            let len = case.lengths[0];
+            let count = case.lengths.len();
+            let decays = sala_model::ops::gla::log_decays(h.heads).repeat(count);
+            let shape = [count * h.heads, len, h.head_dim];
+            let (q, k, v) = (random(shape), random(shape), random(shape));
+            let chunk = runner.options().gla_chunk;
+            (
+                "chunked_gla",
+                Box::new(move || {
+                    let out = sala_model::ops::gla::chunked(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        &decays,
+                        chunk,
+                    );
+                    drop(out);
+                    Ok(())
+                }),
+            )
+        }
+        LayerKind::Minicpm4 | LayerKind::Llama => {
+            let Some(fast) = runner.fast_ops() else {
+                return Ok(None);
+            };
+            let h = config.attention_heads();
+            let q = random([tokens, h.heads, h.head_dim]);
+            let k = random([tokens, h.kv_heads, h.head_dim]);
+            let v = random([tokens, h.kv_heads, h.head_dim]);
+            let scale = (1.0 / (h.head_dim as f64).sqrt()) as f32;
+            let lengths = case.lengths.clone();
+            (
+                "causal_attention",
+                Box::new(move || {
+                    fast.causal_attention(q.clone(), k.clone(), v.clone(), &lengths, scale)?;
+                    Ok(())
+                }),
+            )
+        }
+    };
+    let mut best = f64::INFINITY;
+    for rep in 0..=reps.max(1) {
+        sync()?;
+        let t = Instant::now();
+        call()?;
+        sync()?;
+        if rep > 0 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    let linears: f64 = config
+        .linear_specs(layer)
+        .iter()
+        .map(|l| (l.out_features * l.in_features) as f64)
+        .sum();
+    let mixer_flop = layer_flop(config, layer, &case.lengths) - 2.0 * tokens as f64 * linears;
+    Ok(Some(MixerMeasurement {
+        op: op.to_owned(),
+        case: case.name.clone(),
+        seconds: best,
+        tflops: mixer_flop / best / 1e12,
+    }))
 }
 
 /// Uploads `weights` for `runner`, timed (synchronised before and after).

@@ -9,7 +9,7 @@ use sala_hessian::layout::symmetric_from_lower;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
-use sala_model::to_f32;
+use sala_model::{gram_reference, to_f32, FastOps};
 
 /// Which statistics a recipe needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,42 +72,42 @@ impl<B: Backend> InputStats<B> {
     /// Adds one sample's input `x` `[tokens, dim]`: downloaded for host statistics, in f32 on
     /// the device otherwise.
     #[cfg(test)]
-    pub(crate) fn add(&mut self, x: &Tensor<B, 2>) -> Result<(), sala_hessian::HessianError> {
+    pub(crate) fn add(&mut self, x: &Tensor<B, 2>) -> Result<(), String> {
         let tokens = x.dims()[0];
-        self.add_pack(x, &[tokens]).map_err(|(_, e)| e)
+        self.add_pack(x, &[tokens], None).map_err(|(_, e)| e)
     }
 
     /// Adds the inputs `x` `[Σ lengths, dim]` of a pack of samples lying back to back, each
     /// sample weighted by `1/its tokens` as if added alone: on the host sample by sample, on
     /// the device in one product with every row scaled by `√(1/T)` (`Σᵢ XᵢᵀXᵢ/Tᵢ = (DX)ᵀ(DX)`).
-    /// A failure names the sample (its index in `lengths`).
+    /// A failure names the sample (its index in `lengths`) when it is one sample's; `fast`
+    /// computes the device Hessian's products where given.
     pub(crate) fn add_pack(
         &mut self,
         x: &Tensor<B, 2>,
         lengths: &[usize],
-    ) -> Result<(), (usize, sala_hessian::HessianError)> {
+        fast: Option<&dyn FastOps<B>>,
+    ) -> Result<(), (Option<usize>, String)> {
         let [tokens, _] = x.dims();
         match self {
             InputStats::Full(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
-                acc.add_sample(rows, t).map_err(|e| (s, e))
+                acc.add_sample(rows, t)
+                    .map_err(|e| (Some(s), e.to_string()))
             }),
             InputStats::Diagonal(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
-                acc.add_sample(rows, t).map_err(|e| (s, e))
+                acc.add_sample(rows, t)
+                    .map_err(|e| (Some(s), e.to_string()))
             }),
             InputStats::DeviceFull { sum, samples } => {
-                let x = to_f32(x.clone());
-                let xtx = match lengths {
-                    [_] => x
-                        .clone()
-                        .transpose()
-                        .matmul(x)
-                        .mul_scalar(1.0 / tokens as f64),
-                    _ => {
-                        let scaled = x * row_weights::<B>(lengths, f64::sqrt, &sum.device());
-                        scaled.clone().transpose().matmul(scaled)
-                    }
+                // Moved out (not cloned) so that a fast path may accumulate in place.
+                let placeholder = Tensor::zeros([1, 1], (&x.device(), DType::F32));
+                let old = std::mem::replace(sum, placeholder);
+                *sum = match fast {
+                    Some(fast) => fast
+                        .accumulate_gram(old, x, lengths)
+                        .map_err(|e| (None, e.to_string()))?,
+                    None => gram_reference(old, x, lengths),
                 };
-                *sum = sum.clone() + xtx;
                 *samples += lengths.len() as u64;
                 Ok(())
             }
@@ -379,7 +379,7 @@ mod tests {
                     one_by_one.add(x).unwrap();
                 }
                 let mut packed = InputStats::<CpuBackend>::new(kind, 3, on_device).unwrap();
-                packed.add_pack(&pack, &lengths).unwrap();
+                packed.add_pack(&pack, &lengths, None).unwrap();
                 match (
                     one_by_one.finalize("x").unwrap(),
                     packed.finalize("x").unwrap(),
@@ -404,8 +404,8 @@ mod tests {
     fn a_bad_sample_in_a_pack_is_named() {
         let mut host = InputStats::<CpuBackend>::new(StatsKind::Full, 2, None).unwrap();
         let pack = sample(vec![1.0, 2.0, 3.0, f32::NAN, 5.0, 6.0], 3, 2);
-        let (index, _) = host.add_pack(&pack, &[1, 2]).unwrap_err();
-        assert_eq!(index, 1);
+        let (index, _) = host.add_pack(&pack, &[1, 2], None).unwrap_err();
+        assert_eq!(index, Some(1));
     }
 
     #[test]

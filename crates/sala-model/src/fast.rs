@@ -4,9 +4,10 @@
 //! [`LayerRunner`](crate::LayerRunner) (the facade does on CUDA).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::error::Result;
+use crate::numerics::to_f32;
 
 /// Backend-specific implementations of steps of the forward pass.
 pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
@@ -25,6 +26,58 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         lengths: &[usize],
         scale: f32,
     ) -> Result<Tensor<B, 3>>;
+
+    /// `x·wᵀ` for `x` `[tokens, in]` and `w` `[out, in]` in the storage dtype, rounded like a
+    /// bf16 GEMM with f32 accumulation; `Ok(None)` where this implementation has no faster
+    /// product for these tensors (the graph's matmul runs instead).
+    fn linear(&self, x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (x, w);
+        Ok(None)
+    }
+
+    /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
+    /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
+    /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
+    fn accumulate_gram(
+        &self,
+        h: Tensor<B, 2>,
+        x: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> Result<Tensor<B, 2>> {
+        Ok(gram_reference(h, x, lengths))
+    }
+}
+
+/// `h + Σ_s X_sᵀX_s / T_s` with the backend's f32 matmul: one product of the rows scaled by
+/// `√(1/T_s)` (`Σ_s X_sᵀX_s/T_s = (DX)ᵀ(DX)`), or `XᵀX/T` for a single sample.
+pub fn gram_reference<B: Backend>(
+    h: Tensor<B, 2>,
+    x: &Tensor<B, 2>,
+    lengths: &[usize],
+) -> Tensor<B, 2> {
+    let x = to_f32(x.clone());
+    let tokens = x.dims()[0];
+    let gram = match lengths {
+        [_] => x
+            .clone()
+            .transpose()
+            .matmul(x)
+            .mul_scalar(1.0 / tokens.max(1) as f64),
+        _ => {
+            let values: Vec<f32> = lengths
+                .iter()
+                .flat_map(|&len| std::iter::repeat_n((1.0 / len.max(1) as f64).sqrt() as f32, len))
+                .collect();
+            let rows = values.len();
+            let weights = Tensor::<B, 2>::from_data(
+                TensorData::new(values, [rows, 1]),
+                (&h.device(), DType::F32),
+            );
+            let scaled = x * weights;
+            scaled.clone().transpose().matmul(scaled)
+        }
+    };
+    h + gram
 }
 
 /// Where each of `lengths` starts and ends in the pack: `[0, l0, l0 + l1, …, Σ l]`.
@@ -38,9 +91,9 @@ pub fn sequence_offsets(lengths: &[usize]) -> Vec<usize> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cube::CubeFastOps;
+pub use cube::CudaFastOps;
 
-/// [`FastOps`] on CubeCL backends: the kernels of `sala-kernels` on the tensors' own buffers.
+/// [`FastOps`] on burn-cuda: the kernels of `sala-kernels` on the tensors' own buffers.
 #[cfg(feature = "cuda")]
 mod cube {
     use super::{sequence_offsets, FastOps};
@@ -48,26 +101,135 @@ mod cube {
     use burn::tensor::{DType, Tensor, TensorPrimitive};
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
-    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use cubecl::cuda::CudaRuntime;
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
+    use sala_kernels::cuda::{linear_bf16, xtx_bf16, Bf16Matrix, Cublas, LinearShape};
+    use sala_kernels::MatrixView;
+    use std::sync::Arc;
 
-    /// The `sala-kernels` implementations for any CubeCL runtime (bf16, f16 or f32 tensors).
-    #[derive(Debug, Clone, Copy, Default)]
-    pub struct CubeFastOps;
+    type R = CudaRuntime;
 
-    fn primitive<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-        x: Tensor<CubeBackend<R, F, I, BT>, 3>,
+    /// The `sala-kernels` implementations on CUDA: causal GQA attention (CubeCL, bf16, f16
+    /// or f32 tensors) and, with a cuBLAS handle, bf16 linears as cuBLAS GEMMs.
+    #[derive(Debug, Clone, Default)]
+    pub struct CudaFastOps {
+        blas: Option<Arc<Cublas>>,
+    }
+
+    impl CudaFastOps {
+        /// Attention only (linears stay on the graph's matmul).
+        pub fn attention_only() -> Self {
+            Self { blas: None }
+        }
+
+        /// Attention, and linears through `blas`.
+        pub fn with_cublas(blas: Arc<Cublas>) -> Self {
+            Self { blas: Some(blas) }
+        }
+    }
+
+    fn primitive<F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        x: Tensor<CubeBackend<R, F, I, BT>, D>,
     ) -> CubeTensor<R> {
         into_contiguous(x.into_primitive().tensor())
     }
 
-    impl<R, F, I, BT> FastOps<CubeBackend<R, F, I, BT>> for CubeFastOps
+    fn kernel_error(op: &'static str) -> impl Fn(sala_kernels::KernelError) -> ModelError {
+        move |e| ModelError::Kernel {
+            op,
+            message: e.to_string(),
+        }
+    }
+
+    impl<F, I, BT> FastOps<CubeBackend<R, F, I, BT>> for CudaFastOps
     where
-        R: CubeRuntime,
         F: FloatElement,
         I: IntElement,
         BT: BoolElement,
     {
+        fn accumulate_gram(
+            &self,
+            h: Tensor<CubeBackend<R, F, I, BT>, 2>,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            lengths: &[usize],
+        ) -> Result<Tensor<CubeBackend<R, F, I, BT>, 2>> {
+            let Some(blas) = &self.blas else {
+                return Ok(super::gram_reference(h, x, lengths));
+            };
+            if x.dtype() != DType::BF16 || h.dtype() != DType::F32 {
+                return Ok(super::gram_reference(h, x, lengths));
+            }
+            let ([tokens, dim], [rows, cols]) = (x.dims(), h.dims());
+            if rows != dim || cols != dim || lengths.iter().sum::<usize>() != tokens {
+                return Err(ModelError::InvalidInput(format!(
+                    "Hessian [{rows}, {cols}] for inputs [{tokens}, {dim}] in samples {lengths:?}"
+                )));
+            }
+            let x = primitive(x.clone());
+            // β = 1 accumulates into h's own buffer: it must not be shared.
+            let mut h = primitive(h);
+            if !h.handle.can_mut() {
+                h = h.copy();
+            }
+            let view = MatrixView {
+                handle: h.handle.clone(),
+                offset: 0,
+                rows: dim,
+                cols: dim,
+                row_stride: dim,
+            };
+            let mut start = 0;
+            for &len in lengths {
+                let sample = Bf16Matrix {
+                    handle: x.handle.clone().offset_start((start * dim * 2) as u64),
+                    rows: len,
+                    cols: dim,
+                };
+                xtx_bf16(&x.client, blas, &sample, &view, 1.0 / len as f32, 1.0)
+                    .map_err(kernel_error("XᵀX"))?;
+                start += len;
+            }
+            drop(view);
+            Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))
+        }
+
+        fn linear(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            w: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            let Some(blas) = &self.blas else {
+                return Ok(None);
+            };
+            if x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
+                return Ok(None);
+            }
+            let ([tokens, in_features], [out_features, w_in]) = (x.dims(), w.dims());
+            if w_in != in_features {
+                return Err(ModelError::InvalidInput(format!(
+                    "linear of [{tokens}, {in_features}] by a [{out_features}, {w_in}] weight"
+                )));
+            }
+            let (x, w) = (primitive(x.clone()), primitive(w.clone()));
+            let y = x.client.empty(tokens * out_features * 2);
+            let shape = LinearShape {
+                tokens,
+                in_features,
+                out_features,
+            };
+            linear_bf16(&x.client, blas, shape, &x.handle, &w.handle, &y)
+                .map_err(kernel_error("linear"))?;
+            let out = CubeTensor::new_contiguous(
+                x.client.clone(),
+                x.device.clone(),
+                [tokens, out_features].into(),
+                y,
+                DType::BF16,
+            );
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
         fn causal_attention(
             &self,
             q: Tensor<CubeBackend<R, F, I, BT>, 3>,
@@ -128,10 +290,7 @@ mod cube {
                     )))
                 }
             };
-            launched.map_err(|e| ModelError::Kernel {
-                op: "causal attention",
-                message: e.to_string(),
-            })?;
+            launched.map_err(kernel_error("causal attention"))?;
             let out = CubeTensor::new_contiguous(
                 q.client.clone(),
                 q.device.clone(),

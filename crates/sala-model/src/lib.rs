@@ -6,7 +6,8 @@
 //! - [`LayerRunner`]: embedding, one decoder layer (one sequence or a pack of them) with a tap
 //!   on every linear's input, logits.
 //! - [`FastOps`]: the seam through which a backend computes heavy steps with its own kernels
-//!   ([`CubeFastOps`] on CUDA: `sala-kernels`' attention), tested against the graph.
+//!   ([`CudaFastOps`] on CUDA: `sala-kernels`' attention, cuBLAS linears), tested against
+//!   the graph.
 //! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
 //!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
 //! - [`device`]: the GPU backend `CudaBackend` (feature `cuda`; bf16 storage,
@@ -38,8 +39,8 @@ pub use device::DeviceMemory;
 pub use device::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
-pub use fast::CubeFastOps;
-pub use fast::{sequence_offsets, FastOps};
+pub use fast::CudaFastOps;
+pub use fast::{gram_reference, sequence_offsets, FastOps};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{round_to_bf16, to_f32, Numerics};
 pub use runner::{AttentionMode, LayerRunner, RunOptions};

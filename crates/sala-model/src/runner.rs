@@ -3,7 +3,7 @@
 
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
 use crate::error::{ModelError, Result};
@@ -83,6 +83,26 @@ fn row_ranges(lengths: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>>
     })
 }
 
+/// `values` as a flat tensor of `dtype` on `device`. bf16 is converted on the host in parallel
+/// chunks (SIMD where the CPU has it) and uploaded as bf16: half the bytes over the bus, and
+/// none of burn's one-value-at-a-time conversion (seconds per layer at full size).
+fn upload_flat<B: Backend>(values: &[f32], device: &B::Device, dtype: DType) -> Tensor<B, 1> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    if dtype != DType::BF16 {
+        return Tensor::from_data(
+            TensorData::new(values.to_vec(), [values.len()]),
+            (device, dtype),
+        );
+    }
+    let mut bits = vec![half::bf16::ZERO; values.len()];
+    bits.par_chunks_mut(CHUNK)
+        .zip(values.par_chunks(CHUNK))
+        .for_each(|(dst, src)| dst.convert_from_f32_slice(src));
+    Tensor::from_data(TensorData::new(bits, [values.len()]), (device, dtype))
+}
+
 /// The tensors of a pack's sequences stacked along the rows (the tensor itself for one).
 fn concat_rows<B: Backend, const D: usize>(parts: Vec<Tensor<B, D>>) -> Tensor<B, D> {
     match <[Tensor<B, D>; 1]>::try_from(parts) {
@@ -152,9 +172,9 @@ impl<B: Backend> LayerRunner<B> {
         self
     }
 
-    /// Whether a [`FastOps`] implementation is installed.
-    pub fn has_fast_ops(&self) -> bool {
-        self.fast.is_some()
+    /// The installed [`FastOps`] implementation, if any.
+    pub fn fast_ops(&self) -> Option<&dyn FastOps<B>> {
+        self.fast.as_deref()
     }
 
     /// The model configuration.
@@ -199,8 +219,7 @@ impl<B: Backend> LayerRunner<B> {
             .map(|spec| {
                 let host = weights.get(&spec.name)?;
                 check_host_shape(&spec.name, host, &spec.shape)?;
-                let flat = HostTensor::new(vec![host.data.len()], host.data.clone());
-                Ok(flat.to_tensor_as::<B, 1>(&self.device, dtype))
+                Ok(upload_flat::<B>(&host.data, &self.device, dtype))
             })
             .collect::<Result<Vec<_>>>()?;
         DeviceLayerWeights::new(&self.config, layer, tensors)
@@ -440,7 +459,7 @@ impl<B: Backend> LayerRunner<B> {
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
             tap(&format!("{}.{name}", w.prefix), &x);
-            Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
+            self.linear(x, w.tensor(name, shape)?)
         };
         let residual = self.config.residual_scale();
 
@@ -467,6 +486,16 @@ impl<B: Backend> LayerRunner<B> {
         Ok(Some(
             self.round(h + self.round(to_f32(down).mul_scalar(residual))),
         ))
+    }
+
+    /// `x·wᵀ`: the [`FastOps`] product where it has one, else the graph's [`linear`].
+    fn linear(&self, x: Tensor<B, 2>, w: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            if let Some(y) = fast.linear(&x, &w)? {
+                return Ok(y);
+            }
+        }
+        Ok(linear(x, w, self.options.numerics))
     }
 
     /// q/k/v projections of `a` into `[tokens, heads, d]` views.

@@ -134,7 +134,8 @@ struct GemmExCall {
     k: i32,
     x1: (u64, i32, cudaDataType),
     x2: (u64, i32, cudaDataType),
-    c: (u64, i32),
+    /// Output pointer, leading dimension and element type.
+    c: (u64, i32, cudaDataType),
     alpha: f32,
     beta: f32,
     compute: cublasComputeType_t,
@@ -162,7 +163,7 @@ impl GemmExCall {
                 self.x2.1,
                 (&self.beta as *const f32).cast(),
                 self.c.0 as *mut _,
-                cudaDataType::CUDA_R_32F,
+                self.c.2,
                 self.c.1,
                 self.compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -210,7 +211,7 @@ impl Gemm<CudaRuntime> for CublasGemm {
             k: dim_i32("gemm k", k)?,
             x1: (device_ptr(client, b)?, ld(b)?, cudaDataType::CUDA_R_32F),
             x2: (device_ptr(client, a)?, ld(a)?, cudaDataType::CUDA_R_32F),
-            c: (device_ptr(client, c)?, ld(c)?),
+            c: (device_ptr(client, c)?, ld(c)?, cudaDataType::CUDA_R_32F),
             alpha,
             beta,
             compute: self.math.compute_type(),
@@ -294,12 +295,94 @@ pub fn xtx_bf16(
         k: dim_i32("xtx tokens", tokens)?,
         x1: (x_ptr, dim_i32("xtx dim", dim)?, cudaDataType::CUDA_R_16BF),
         x2: (x_ptr, dim_i32("xtx dim", dim)?, cudaDataType::CUDA_R_16BF),
-        c: (device_ptr(client, h)?, ld(h)?),
+        c: (device_ptr(client, h)?, ld(h)?, cudaDataType::CUDA_R_32F),
         alpha,
         beta,
         compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
     };
     blas.run(client, "cublasGemmEx (bf16 XᵀX)", |handle| {
+        call.launch(handle)
+    })
+}
+
+/// The shape of a linear layer's product `y = x·wᵀ`: `x` `[tokens, in_features]`, `w`
+/// `[out_features, in_features]`, `y` `[tokens, out_features]`, all dense row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearShape {
+    /// Rows of `x` and `y`.
+    pub tokens: usize,
+    /// Columns of `x` and `w`.
+    pub in_features: usize,
+    /// Rows of `w`, columns of `y`.
+    pub out_features: usize,
+}
+
+/// `y ← x·wᵀ` in bf16 (bf16 inputs and output, f32 accumulation: `CUBLAS_COMPUTE_32F`, as a
+/// PyTorch bf16 linear), one `cublasGemmEx` on CubeCL buffers (`x`, `w`, `y` whole buffers of
+/// bf16 values, row-major, per `shape`). Waits for CubeCL's queued work first and for the
+/// product after, as every call of [`Cublas`] does.
+pub fn linear_bf16(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    shape: LinearShape,
+    x: &Handle,
+    w: &Handle,
+    y: &Handle,
+) -> Result<(), KernelError> {
+    let LinearShape {
+        tokens,
+        in_features,
+        out_features,
+    } = shape;
+    for (what, handle, rows, cols) in [
+        ("linear x", x, tokens, in_features),
+        ("linear w", w, out_features, in_features),
+        ("linear y", y, tokens, out_features),
+    ] {
+        let needed = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(2))
+            .ok_or_else(|| KernelError::shape(what, format!("{rows}×{cols} overflows")))?;
+        let bytes = handle.size_in_used() as usize;
+        if bytes < needed {
+            return Err(KernelError::shape(
+                what,
+                format!("{bytes} bytes for a {rows}×{cols} bf16 matrix"),
+            ));
+        }
+    }
+    if tokens == 0 || out_features == 0 {
+        return Ok(());
+    }
+    // Row-major y [tokens, out] is column-major yᵀ (out × tokens, ld out) = w·xᵀ, where
+    // row-major w [out, in] is column-major wᵀ (ld in, used transposed) and row-major x
+    // [tokens, in] is column-major xᵀ (ld in).
+    let call = GemmExCall {
+        op1: cublasOperation_t::CUBLAS_OP_T,
+        op2: cublasOperation_t::CUBLAS_OP_N,
+        m: dim_i32("linear out_features", out_features)?,
+        n: dim_i32("linear tokens", tokens)?,
+        k: dim_i32("linear in_features", in_features)?,
+        x1: (
+            handle_ptr(client, w)?,
+            dim_i32("linear in_features", in_features.max(1))?,
+            cudaDataType::CUDA_R_16BF,
+        ),
+        x2: (
+            handle_ptr(client, x)?,
+            dim_i32("linear in_features", in_features.max(1))?,
+            cudaDataType::CUDA_R_16BF,
+        ),
+        c: (
+            handle_ptr(client, y)?,
+            dim_i32("linear out_features", out_features)?,
+            cudaDataType::CUDA_R_16BF,
+        ),
+        alpha: 1.0,
+        beta: 0.0,
+        compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    blas.run(client, "cublasGemmEx (bf16 linear)", |handle| {
         call.launch(handle)
     })
 }

@@ -22,7 +22,7 @@ mod blas;
 mod libs;
 mod solver;
 
-pub use blas::{xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math};
+pub use blas::{linear_bf16, xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
 pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
