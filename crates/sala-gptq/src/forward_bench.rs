@@ -342,7 +342,7 @@ pub fn measure_mixer<B: Backend>(
             };
             let len = case.lengths[0];
             let count = case.lengths.len();
-            let decays = sala_model::ops::gla::log_decays(h.heads).repeat(count);
+            let decays = sala_model::ops::gla::log_decays(h.heads);
             let shape = [count * h.heads, len, h.head_dim];
             let (q, k, v) = (random(shape), random(shape), random(shape));
             let chunk = runner.options().gla_chunk;

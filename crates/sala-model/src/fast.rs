@@ -90,13 +90,27 @@ pub fn sequence_offsets(lengths: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// Runs of consecutive sequences of equal length in a pack: `(first row, length, count)`.
+pub fn equal_runs(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut row = 0;
+    for &len in lengths {
+        match runs.last_mut() {
+            Some((_, l, count)) if *l == len => *count += 1,
+            _ => runs.push((row, len, 1)),
+        }
+        row += len;
+    }
+    runs
+}
+
 #[cfg(feature = "cuda")]
 pub use cube::CudaFastOps;
 
 /// [`FastOps`] on burn-cuda: the kernels of `sala-kernels` on the tensors' own buffers.
 #[cfg(feature = "cuda")]
 mod cube {
-    use super::{sequence_offsets, FastOps};
+    use super::{equal_runs, sequence_offsets, FastOps};
     use crate::error::{ModelError, Result};
     use burn::tensor::{DType, Tensor, TensorPrimitive};
     use burn_cubecl::kernel::into_contiguous;
@@ -179,16 +193,16 @@ mod cube {
                 cols: dim,
                 row_stride: dim,
             };
-            let mut start = 0;
-            for &len in lengths {
-                let sample = Bf16Matrix {
+            // Neighbours of equal length share their weight 1/T: one product for the run
+            // (Σ XᵢᵀXᵢ/T = XᵀX/T over their rows), exact and with a long inner dimension.
+            for (start, len, count) in equal_runs(lengths) {
+                let run = Bf16Matrix {
                     handle: x.handle.clone().offset_start((start * dim * 2) as u64),
-                    rows: len,
+                    rows: len * count,
                     cols: dim,
                 };
-                xtx_bf16(&x.client, blas, &sample, &view, 1.0 / len as f32, 1.0)
+                xtx_bf16(&x.client, blas, &run, &view, 1.0 / len as f32, 1.0)
                     .map_err(kernel_error("XᵀX"))?;
-                start += len;
             }
             drop(view);
             Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))

@@ -7,7 +7,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
 use crate::error::{ModelError, Result};
-use crate::fast::FastOps;
+use crate::fast::{equal_runs, FastOps};
 use crate::host::{HeadWeights, HostTensor, LayerWeights};
 use crate::numerics::{to_f32, Numerics};
 use crate::ops::attention::{causal_attention, DEFAULT_SCORE_BUDGET};
@@ -109,20 +109,6 @@ fn concat_rows<B: Backend, const D: usize>(parts: Vec<Tensor<B, D>>) -> Tensor<B
         Ok([one]) => one,
         Err(parts) => Tensor::cat(parts, 0),
     }
-}
-
-/// Runs of consecutive sequences of equal length: `(first row, length, count)`.
-fn equal_runs(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
-    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-    let mut row = 0;
-    for &len in lengths {
-        match runs.last_mut() {
-            Some((_, l, count)) if *l == len => *count += 1,
-            _ => runs.push((row, len, 1)),
-        }
-        row += len;
-    }
-    runs
 }
 
 /// A layer's weights converted to device tensors, checked against the config.
@@ -625,7 +611,7 @@ impl<B: Backend> LayerRunner<B> {
                     by_head(q.clone()),
                     by_head(k.clone()),
                     by_head(v.clone()),
-                    &decays.repeat(count),
+                    &decays,
                     self.options.gla_chunk,
                 );
                 out.reshape([count, heads, len, d])

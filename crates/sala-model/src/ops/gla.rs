@@ -139,6 +139,23 @@ impl<B: Backend> DecayTables<B> {
     }
 }
 
+impl<B: Backend> DecayTables<B> {
+    /// The tables of `times` sequences' heads side by side (a device copy; `times <= 1`: as is).
+    fn repeated(self, times: usize) -> Self {
+        if times <= 1 {
+            return self;
+        }
+        Self {
+            into_queries: self.into_queries.repeat_dim(0, times),
+            into_state: self.into_state.repeat_dim(0, times),
+            intra: self.intra.repeat_dim(0, times),
+            within_block: self.within_block.repeat_dim(0, times),
+            from_block_start: self.from_block_start.repeat_dim(0, times),
+            across_blocks: self.across_blocks.repeat_dim(0, times),
+        }
+    }
+}
+
 /// Chunked parallel Simple GLA over `q`, `k`, `v` `[heads, tokens, d]` (q already scaled),
 /// returning `[heads, tokens, d]`, in a fixed number of batched tensor operations whatever the
 /// length (no loop over chunks).
@@ -151,8 +168,9 @@ impl<B: Backend> DecayTables<B> {
 /// within blocks of about `√n` chunks, then across blocks. Work is `O(T·C·d + T·d²)` per head
 /// plus `O(n^{1.5}·d²)` for the scan; memory `O(T·C + (T/C)·d²)`. Every power of γ is taken
 /// directly, so no term overflows however long the chunk. Computed in f32 (the inputs are
-/// cast; a no-op on f32 tensors); the output is f32. `heads` may stand for several sequences'
-/// heads side by side, with `log_decays` repeated to match.
+/// cast; a no-op on f32 tensors); the output is f32. `log_decays` holds one value per head;
+/// when `q` has `n` times as many heads, they are `n` sequences' heads side by side and the
+/// decay tables (built on the host for the distinct heads only) are repeated on the device.
 pub fn chunked<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -167,7 +185,8 @@ pub fn chunked<B: Backend>(
     let chunks = tokens.div_ceil(len);
     let per_block = (chunks as f64).sqrt().ceil().max(1.0) as usize;
     let blocks = chunks.div_ceil(per_block);
-    let tables = DecayTables::<B>::new(log_decays, len, per_block, blocks, &device);
+    let tables = DecayTables::<B>::new(log_decays, len, per_block, blocks, &device)
+        .repeated(heads / log_decays.len().max(1));
     let padded = chunks * len;
     let split = |x: Tensor<B, 3>| -> Tensor<B, 4> {
         let x = if padded > tokens {
