@@ -212,12 +212,15 @@ impl DeviceJob for ForwardJob {
             for case in &self.cases {
                 if let Some(m) = measure_mixer(&runner, layer, case, self.reps)? {
                     eprintln!(
-                        "[{:7.1} s] {} {}: {:.4} s ({:.1} TFLOP/s)",
+                        "[{:7.1} s] {} {}: {:.4} s ({:.1} TFLOP/s){}",
                         started.elapsed().as_secs_f64(),
                         m.op,
                         m.case,
                         m.seconds,
-                        m.tflops
+                        m.tflops,
+                        m.max_rel_diff_vs_graph.map_or(String::new(), |d| format!(
+                            ", max rel. diff vs graph {d:.1e}"
+                        ))
                     );
                     mixers.push(m);
                 }

@@ -10,9 +10,9 @@
 use crate::error::PipelineError;
 use crate::stats::{InputStats, StatsKind};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, ElementConversion, Tensor};
 use sala_model::{
-    input_groups, DeviceLayerWeights, LayerKind, LayerRunner, LayerWeights, SalaConfig,
+    input_groups, to_f32, DeviceLayerWeights, LayerKind, LayerRunner, LayerWeights, SalaConfig,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -310,6 +310,41 @@ pub struct MixerMeasurement {
     pub seconds: f64,
     /// The op's share of [`layer_flop`] (attention or GLA) over `seconds`, in TFLOP/s.
     pub tflops: f64,
+    /// Attention on packs of at most [`GRAPH_CHECK_TOKENS`] tokens: `max |fast − graph| /
+    /// max |graph|` against the Burn graph's blocked attention on the same inputs (the
+    /// reference the fast kernel must match; bf16 output rounding is ~4e-3).
+    pub max_rel_diff_vs_graph: Option<f64>,
+}
+
+/// Largest case whose fast attention [`measure_mixer`] checks against the Burn graph (the
+/// graph's blocked attention is slow and memory-hungry beyond).
+pub const GRAPH_CHECK_TOKENS: usize = 16_384;
+
+/// The Burn graph's causal attention of each sequence of a pack, f32 `[tokens, heads, d]`.
+fn graph_attention<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    lengths: &[usize],
+    score_budget: usize,
+) -> Tensor<B, 3> {
+    let [_, heads, d] = q.dims();
+    let kv_heads = k.dims()[1];
+    let mut start = 0;
+    let parts: Vec<Tensor<B, 3>> = lengths
+        .iter()
+        .map(|&len| {
+            let rows = start..start + len;
+            start += len;
+            sala_model::ops::attention::causal_attention(
+                q.clone().slice([rows.clone(), 0..heads, 0..d]),
+                k.clone().slice([rows.clone(), 0..kv_heads, 0..d]),
+                v.clone().slice([rows, 0..kv_heads, 0..d]),
+                score_budget,
+            )
+        })
+        .collect();
+    Tensor::cat(parts, 0)
 }
 
 /// Times the mixer core of a `layer` layer on random inputs of `case`'s shape (once untimed,
@@ -335,6 +370,7 @@ pub fn measure_mixer<B: Backend>(
         })
     };
     type Call<'a> = Box<dyn FnMut() -> Result<(), PipelineError> + 'a>;
+    let mut check = None;
     let (op, mut call): (&str, Call<'_>) = match config.layer_kind(layer) {
         LayerKind::Lightning => {
             let Some(h) = config.lightning_heads() else {
@@ -371,6 +407,24 @@ pub fn measure_mixer<B: Backend>(
             let v = random([tokens, h.kv_heads, h.head_dim]);
             let scale = (1.0 / (h.head_dim as f64).sqrt()) as f32;
             let lengths = case.lengths.clone();
+            if tokens <= GRAPH_CHECK_TOKENS {
+                let fast_out =
+                    fast.causal_attention(q.clone(), k.clone(), v.clone(), &lengths, scale)?;
+                let graph = graph_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &lengths,
+                    runner.options().score_budget,
+                );
+                let diff = (to_f32(fast_out) - graph.clone())
+                    .abs()
+                    .max()
+                    .into_scalar()
+                    .elem::<f64>();
+                let top = graph.abs().max().into_scalar().elem::<f64>();
+                check = Some(diff / top.max(f64::MIN_POSITIVE));
+            }
             (
                 "causal_attention",
                 Box::new(move || {
@@ -401,6 +455,7 @@ pub fn measure_mixer<B: Backend>(
         case: case.name.clone(),
         seconds: best,
         tflops: mixer_flop / best / 1e12,
+        max_rel_diff_vs_graph: check,
     }))
 }
 
