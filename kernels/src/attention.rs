@@ -171,37 +171,8 @@ pub fn causal_gqa_attention<R: Runtime, F: Float + CubeElement>(
     v: &Handle,
     out: &Handle,
 ) -> Result<(), KernelError> {
-    let tiling = attention_tiling(shape)?;
-    if !shape.scale.is_finite() {
-        return Err(KernelError::unsupported(
-            "attention scale",
-            format!("{} is not finite", shape.scale),
-        ));
-    }
-    let tokens = check_offsets(offsets)?;
+    let (tiling, _tokens) = check_inputs(shape, offsets, size_of::<F>(), [q, k, v, out])?;
     let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-    let q_len = tokens.saturating_mul(heads).saturating_mul(d);
-    let kv_len = tokens.saturating_mul(kv_heads).saturating_mul(d);
-    check_addressable("attention queries", q_len)?;
-    check_addressable("attention keys", kv_len)?;
-    let elem = size_of::<F>();
-    for (handle, len, what) in [
-        (q, q_len, "attention q"),
-        (k, kv_len, "attention k"),
-        (v, kv_len, "attention v"),
-        (out, q_len, "attention out"),
-    ] {
-        let bytes = handle.size_in_used() as usize;
-        if bytes < len * elem {
-            return Err(KernelError::shape(
-                what,
-                format!(
-                    "a buffer of {bytes} bytes for {len} elements of {elem} bytes \
-                     ({tokens} tokens)"
-                ),
-            ));
-        }
-    }
     let hardware = &client.properties().hardware;
     if (hardware.max_units_per_cube as usize) < UNITS
         || hardware.max_shared_memory_size < tiling.shared_bytes
@@ -251,8 +222,52 @@ pub fn causal_gqa_attention<R: Runtime, F: Float + CubeElement>(
     flush(client, "attention")
 }
 
+/// The checks of [`causal_gqa_attention`] that do not depend on the kernel's device limits:
+/// the head configuration ([`attention_tiling`]), a finite scale, the offsets, 32-bit
+/// addressing of `q`/`k`, and the sizes of the buffers `[q, k, v, out]` for elements of
+/// `elem` bytes. Returns the tiling and the token count. Shared with the cuBLAS route
+/// (`cuda::blocked_causal_attention_bf16`), which has the same contract.
+pub(crate) fn check_inputs(
+    shape: &AttentionShape,
+    offsets: &[usize],
+    elem: usize,
+    [q, k, v, out]: [&Handle; 4],
+) -> Result<(AttentionTiling, usize), KernelError> {
+    let tiling = attention_tiling(shape)?;
+    if !shape.scale.is_finite() {
+        return Err(KernelError::unsupported(
+            "attention scale",
+            format!("{} is not finite", shape.scale),
+        ));
+    }
+    let tokens = check_offsets(offsets)?;
+    let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let q_len = tokens.saturating_mul(heads).saturating_mul(d);
+    let kv_len = tokens.saturating_mul(kv_heads).saturating_mul(d);
+    check_addressable("attention queries", q_len)?;
+    check_addressable("attention keys", kv_len)?;
+    for (handle, len, what) in [
+        (q, q_len, "attention q"),
+        (k, kv_len, "attention k"),
+        (v, kv_len, "attention v"),
+        (out, q_len, "attention out"),
+    ] {
+        let bytes = handle.size_in_used() as usize;
+        if bytes < len * elem {
+            return Err(KernelError::shape(
+                what,
+                format!(
+                    "a buffer of {bytes} bytes for {len} elements of {elem} bytes \
+                     ({tokens} tokens)"
+                ),
+            ));
+        }
+    }
+    Ok((tiling, tokens))
+}
+
 /// Checks the sequence boundaries; returns the token count (the last offset).
-fn check_offsets(offsets: &[usize]) -> Result<usize, KernelError> {
+pub(crate) fn check_offsets(offsets: &[usize]) -> Result<usize, KernelError> {
     if offsets.len() < 2 {
         return Err(KernelError::shape(
             "attention offsets",

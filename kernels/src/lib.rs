@@ -14,6 +14,8 @@
 //!   route to GPTQ's factor;
 //! - [`attention`]: causal grouped-query flash attention over packed variable-length
 //!   sequences ([`causal_gqa_attention`]);
+//! - [`softmax`]: the causally masked row softmax of blocked (cuBLAS) attention
+//!   ([`causal_softmax_rows`]);
 //! - [`error`]: the one error type, [`KernelError`].
 
 pub mod attention;
@@ -27,6 +29,7 @@ pub mod gemm;
 pub mod gptq;
 pub mod hessian;
 mod launch;
+pub mod softmax;
 pub mod solver;
 
 pub use attention::{attention_tiling, causal_gqa_attention, AttentionShape, AttentionTiling};
@@ -36,6 +39,7 @@ pub use error::KernelError;
 pub use gemm::{CubeGemm, Gemm};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
+pub use softmax::{causal_softmax_rows, SoftmaxShape};
 pub use solver::DeviceSolver;
 
 /// The CubeCL version these kernels are written against (pinned `=0.10.0`).

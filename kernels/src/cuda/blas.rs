@@ -77,7 +77,7 @@ impl Cublas {
     }
 
     /// Runs `f` (cuBLAS calls on this handle) after CubeCL's queued work, then waits for it.
-    fn run(
+    pub(crate) fn run(
         &self,
         client: &ComputeClient<CudaRuntime>,
         what: &'static str,

@@ -4,7 +4,9 @@
 //!   `cublasGemmEx`, pedantic FP32 by default, TF32 on request);
 //! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian);
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
-//!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with.
+//!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
+//! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
+//!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel.
 //!
 //! CubeCL's CUDA runtime retains the device's *primary* context, and so does
 //! [`cudarc::driver::CudaContext::new`]: both see one address space, so the device pointer of
@@ -18,10 +20,15 @@
 //! dependency such as `libnvJitLink`), and the constructors fail with that report instead of
 //! panicking at the first call.
 
+mod attention;
 mod blas;
 mod libs;
 mod solver;
 
+pub use attention::{
+    attention_blocking, blocked_causal_attention_bf16, AttentionBlocking, MAX_BLOCK, MIN_BLOCK,
+    SCORE_BUDGET_BYTES,
+};
 pub use blas::{linear_bf16, xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
 pub use solver::{

@@ -12,4 +12,5 @@ mod gemm;
 mod gptq;
 mod hessian;
 mod memory;
+mod softmax;
 mod solver;
