@@ -310,15 +310,21 @@ pub struct MixerMeasurement {
     pub seconds: f64,
     /// The op's share of [`layer_flop`] (attention or GLA) over `seconds`, in TFLOP/s.
     pub tflops: f64,
-    /// Attention on packs of at most [`GRAPH_CHECK_TOKENS`] tokens: `max |fast − graph| /
+    /// Attention on packs of at most [`GRAPH_CHECK_TOKENS`] tokens and sequences of at most
+    /// [`GRAPH_CHECK_LEN`]: `max |fast − graph| /
     /// max |graph|` against the Burn graph's blocked attention on the same inputs (the
     /// reference the fast kernel must match; bf16 output rounding is ~4e-3).
     pub max_rel_diff_vs_graph: Option<f64>,
 }
 
-/// Largest case whose fast attention [`measure_mixer`] checks against the Burn graph (the
+/// Largest pack whose fast attention [`measure_mixer`] checks against the Burn graph (the
 /// graph's blocked attention is slow and memory-hungry beyond).
 pub const GRAPH_CHECK_TOKENS: usize = 16_384;
+
+/// Longest sequence of a checked pack: up to this length the graph's attention runs each
+/// sequence as one query block, one matmul shape for all (longer ones make every query block
+/// a new shape for the GPU backend to compile and autotune: minutes).
+pub const GRAPH_CHECK_LEN: usize = 2048;
 
 /// The Burn graph's causal attention of each sequence of a pack, f32 `[tokens, heads, d]`.
 fn graph_attention<B: Backend>(
@@ -407,7 +413,8 @@ pub fn measure_mixer<B: Backend>(
             let v = random([tokens, h.kv_heads, h.head_dim]);
             let scale = (1.0 / (h.head_dim as f64).sqrt()) as f32;
             let lengths = case.lengths.clone();
-            if tokens <= GRAPH_CHECK_TOKENS {
+            let longest = lengths.iter().copied().max().unwrap_or(0);
+            if tokens <= GRAPH_CHECK_TOKENS && longest <= GRAPH_CHECK_LEN {
                 let fast_out =
                     fast.causal_attention(q.clone(), k.clone(), v.clone(), &lengths, scale)?;
                 let graph = graph_attention(
