@@ -9,10 +9,9 @@ use sala_model::ops::norm::rms_norm;
 use sala_model::ops::rope::{apply_rope, inverse_frequencies, RopeTables};
 use sala_model::{round_to_bf16, Numerics};
 
-/// Chunked GLA vs the f64 recurrence, for chunk sizes that divide T, do not, and exceed it.
-#[test]
-fn chunked_gla_matches_recurrence() {
-    let (tokens, heads, d) = (45, 4, 16);
+/// Chunked GLA on random `[tokens, heads, d]` inputs against the f64 recurrence, for each of
+/// `chunks` (f32 matmuls against an f64 loop: errors of a few ulp of the output's magnitude).
+fn check_chunked_gla(tokens: usize, heads: usize, d: usize, chunks: &[usize]) {
     let decays = log_decays(heads);
     let q = random([tokens, heads, d]).mul_scalar(0.25);
     let k = random([tokens, heads, d]);
@@ -26,44 +25,7 @@ fn chunked_gla_matches_recurrence() {
         d,
         &decays,
     );
-    for chunk in [1, 2, 8, 15, 45, 64] {
-        let out = chunked(
-            q.clone().swap_dims(0, 1),
-            k.clone().swap_dims(0, 1),
-            v.clone().swap_dims(0, 1),
-            &decays,
-            chunk,
-        );
-        let got = to_vec(out.swap_dims(0, 1));
-        let err = max_abs_diff(&got, &expected);
-        // f32 matmuls against an f64 loop: errors of a few ulp of the output's magnitude.
-        assert!(
-            err <= 1e-4 * max_abs(&expected),
-            "chunk {chunk}: max error {err}"
-        );
-    }
-}
-
-/// Many chunks (the two-level state scan with partly filled blocks) over a long sequence, with
-/// the released model's 32 decays (fast heads whose chunk powers underflow, slow ones that keep
-/// the state for thousands of tokens): the chunked form still matches the recurrence.
-#[test]
-fn chunked_gla_scans_many_chunks() {
-    let (tokens, heads, d) = (700, 32, 8);
-    let decays = log_decays(heads);
-    let q = random([tokens, heads, d]).mul_scalar(0.25);
-    let k = random([tokens, heads, d]);
-    let v = random([tokens, heads, d]);
-    let expected = recurrent_reference(
-        &to_vec(q.clone()),
-        &to_vec(k.clone()),
-        &to_vec(v.clone()),
-        tokens,
-        heads,
-        d,
-        &decays,
-    );
-    for chunk in [3, 16, 64] {
+    for &chunk in chunks {
         let out = chunked(
             q.clone().swap_dims(0, 1),
             k.clone().swap_dims(0, 1),
@@ -74,9 +36,23 @@ fn chunked_gla_scans_many_chunks() {
         let err = max_abs_diff(&to_vec(out.swap_dims(0, 1)), &expected);
         assert!(
             err <= 1e-4 * max_abs(&expected),
-            "chunk {chunk}: max error {err}"
+            "{tokens} tokens, chunk {chunk}: max error {err}"
         );
     }
+}
+
+/// Chunk sizes that divide T, do not, and exceed it.
+#[test]
+fn chunked_gla_matches_recurrence() {
+    check_chunked_gla(45, 4, 16, &[1, 2, 8, 15, 45, 64]);
+}
+
+/// Many chunks (the two-level state scan with partly filled blocks) over a long sequence, with
+/// the released model's 32 decays (fast heads whose chunk powers underflow, slow ones that keep
+/// the state for thousands of tokens): the chunked form still matches the recurrence.
+#[test]
+fn chunked_gla_scans_many_chunks() {
+    check_chunked_gla(700, 32, 8, &[3, 16, 64]);
 }
 
 /// The decay slopes of the released model (H = 32) as the design note lists them.
