@@ -14,7 +14,9 @@ use sala_formats::{IntQuantizer, QuantParams};
 
 use crate::error::HessianError;
 use crate::hessian::Hessian;
-use crate::inverse::{dead_columns, CholeskyInverse, Damping, UpperFactorizer};
+use crate::inverse::{
+    dead_columns, diagonal_f64, mean_fixed_diagonal, CholeskyInverse, Damping, UpperFactorizer,
+};
 use crate::quantized::{check_weights, dequantize, proxy_error, IntGrid, Method, QuantizedLinear};
 use crate::rtn::Rtn;
 use crate::scalar::HessianScalar;
@@ -394,47 +396,114 @@ impl Gptq {
         h: &Hessian<T>,
         column_loop: &L,
     ) -> Result<QuantizedLinear, HessianError> {
-        check_weights(weights, out, inp, Some(h.dim()))?;
-        h.check_finite()?;
         let cfg = &self.config;
-        let gs = cfg.grid.effective_group_size(inp)?;
-        let dead = dead_columns(h);
-        let perm = column_order(h, &dead, cfg.act_order);
+        let prepared = self.prepare(weights, out, inp, &diagonal_f64(h))?;
+        h.check_finite()?;
         let factorizer = column_loop.factorizer();
-        let inverse = match CholeskyInverse::with_order_using(h, &perm, &cfg.damping, factorizer) {
-            Ok(inv) => inv,
-            Err(HessianError::NotPositiveDefinite { .. })
-                if cfg.on_failure == FailurePolicy::Rtn =>
-            {
-                return self.rtn_fallback(weights, out, inp, h);
-            }
-            Err(e) => return Err(e),
-        };
-        let mut w0 = weights.to_vec();
-        for row in w0.chunks_exact_mut(inp) {
-            for (v, _) in row.iter_mut().zip(&dead).filter(|(_, &d)| d) {
-                *v = 0.0;
-            }
-        }
-        let use_static = cfg.static_groups && cfg.grid.group_size.is_some();
-        let static_params =
-            use_static.then(|| static_group_params(&self.quantizer, &w0, out, inp, gs));
-        let static_group_of: Vec<usize> = perm.iter().map(|&j| j / gs).collect();
+        let inverse =
+            match CholeskyInverse::with_order_using(h, &prepared.order, &cfg.damping, factorizer) {
+                Ok(inv) => inv,
+                Err(HessianError::NotPositiveDefinite { .. })
+                    if cfg.on_failure == FailurePolicy::Rtn =>
+                {
+                    return self.rtn_fallback(weights, out, inp, Some(h));
+                }
+                Err(e) => return Err(e),
+            };
+        let (w0, mut w_loop) = prepared.loop_weights(weights, inp);
+        let static_params = self.static_params(&prepared, &w0, out, inp);
+        let static_group_of = prepared.static_group_of();
         let problem = ColumnProblem {
             quantizer: self.quantizer,
             out,
             inp,
-            group_size: gs,
+            group_size: prepared.group_size,
             block_size: cfg.block_size,
             upper: inverse.upper(),
             static_groups: static_params
                 .as_deref()
                 .map(|p| (p, static_group_of.as_slice())),
         };
-        let mut w_loop = permute_columns(&w0, inp, &perm);
         let sol = column_loop.run(&problem, &mut w_loop)?;
-        let groups = problem.groups();
-        let (params, g_idx) = match &static_params {
+        let attempt = DampingAttempt {
+            retries: inverse.retries(),
+            percdamp: inverse.percdamp(),
+        };
+        self.finish(
+            weights,
+            &prepared,
+            sol,
+            static_params.as_deref(),
+            attempt,
+            |dequantized| Ok(proxy_error(weights, dequantized, inp, h)),
+        )
+    }
+
+    /// GPTQ's bookkeeping from `diag(H)` alone (`diag` `[inp]`, f64): shapes and finite
+    /// weights checked, dead columns, the loop order (act-order: `diag` descending, ties in
+    /// column order, dead columns counted as 1) and the damping reference. A solver whose
+    /// Hessian stays on a device downloads only the diagonal for this.
+    pub fn prepare(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        diag: &[f64],
+    ) -> Result<GptqPreparation, HessianError> {
+        check_weights(weights, out, inp, Some(diag.len()))?;
+        let group_size = self.config.grid.effective_group_size(inp)?;
+        let dead = dead_columns(diag);
+        let fixed: Vec<f64> = diag
+            .iter()
+            .zip(&dead)
+            .map(|(&d, &dead)| if dead { 1.0 } else { d })
+            .collect();
+        let mut order: Vec<usize> = (0..inp).collect();
+        if self.config.act_order {
+            order.sort_by(|&a, &b| fixed[b].total_cmp(&fixed[a]));
+        }
+        Ok(GptqPreparation {
+            mean_diag: mean_fixed_diagonal(diag, &dead),
+            dead,
+            order,
+            group_size,
+        })
+    }
+
+    /// Static groups' parameters `[out, groups]` from the dead-zeroed original weight `w0`,
+    /// when the options ask for them (groups and `static_groups`).
+    pub fn static_params(
+        &self,
+        prepared: &GptqPreparation,
+        w0: &[f32],
+        out: usize,
+        inp: usize,
+    ) -> Option<Vec<QuantParams>> {
+        let use_static = self.config.static_groups && self.config.grid.group_size.is_some();
+        use_static.then(|| static_group_params(&self.quantizer, w0, out, inp, prepared.group_size))
+    }
+
+    /// The integer quantizer of the grid.
+    pub fn quantizer(&self) -> IntQuantizer {
+        self.quantizer
+    }
+
+    /// The result from the column loop's `sol` (loop order): codes and parameters back in the
+    /// original order, `g_idx`, the dequantized weight, the losses, and the proxy error from
+    /// `proxy(dequantized)` when the options ask for it. `weights` are the original ones.
+    pub fn finish(
+        &self,
+        weights: &[f32],
+        prepared: &GptqPreparation,
+        sol: ColumnSolution,
+        static_params: Option<&[QuantParams]>,
+        attempt: DampingAttempt,
+        proxy: impl FnOnce(&[f32]) -> Result<f64, HessianError>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        let (inp, gs, perm) = (prepared.order.len(), prepared.group_size, &prepared.order);
+        let out = weights.len() / inp.max(1);
+        let groups = inp.div_ceil(gs);
+        let (params, g_idx) = match static_params {
             Some(p) => (
                 transpose(p, out, groups),
                 (0..inp).map(|j| (j / gs) as i32).collect(),
@@ -451,15 +520,17 @@ impl Gptq {
         for (c, &j) in perm.iter().enumerate() {
             column_loss[j] = sol.column_loss[c];
         }
-        let codes = unpermute_columns(&sol.codes, inp, &perm);
+        let codes = unpermute_columns(&sol.codes, inp, perm);
         let dequantized = dequantize(&codes, &params, &g_idx, out);
-        let proxy = cfg
-            .proxy_error
-            .then(|| proxy_error(weights, &dequantized, inp, h));
+        let proxy = if self.config.proxy_error {
+            Some(proxy(&dequantized)?)
+        } else {
+            None
+        };
         Ok(QuantizedLinear {
             out_features: out,
             in_features: inp,
-            grid: cfg.grid,
+            grid: self.config.grid,
             group_size: gs,
             codes,
             params,
@@ -469,20 +540,22 @@ impl Gptq {
             column_loss,
             proxy_error: proxy,
             method: Method::Gptq,
-            damping_retries: inverse.retries(),
-            percdamp: inverse.percdamp(),
+            damping_retries: attempt.retries,
+            percdamp: attempt.percdamp,
         })
     }
 
-    fn rtn_fallback<T: HessianScalar>(
+    /// Round-to-nearest in place of GPTQ (the [`FailurePolicy::Rtn`] fallback), the proxy
+    /// error under `h` when given.
+    pub fn rtn_fallback<T: HessianScalar>(
         &self,
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &Hessian<T>,
+        h: Option<&Hessian<T>>,
     ) -> Result<QuantizedLinear, HessianError> {
         let rtn = Rtn::new(self.config.grid)?;
-        let hessian = self.config.proxy_error.then_some(h);
+        let hessian = h.filter(|_| self.config.proxy_error);
         let mut result = rtn.quantize(weights, out, inp, hessian)?;
         result.method = Method::RtnFallback;
         result.damping_retries = self.config.damping.max_retries;
@@ -490,16 +563,56 @@ impl Gptq {
     }
 }
 
-/// The loop order: identity, or by decreasing `diag(H)` (dead columns counted as 1), stable.
-fn column_order<T: HessianScalar>(h: &Hessian<T>, dead: &[bool], act_order: bool) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..h.dim()).collect();
-    if act_order {
-        let diag: Vec<f64> = (0..h.dim())
-            .map(|i| if dead[i] { 1.0 } else { h.get(i, i).into() })
-            .collect();
-        order.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
+/// Which damping attempt factored the Hessian: the retries before it and its relative damping.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DampingAttempt {
+    /// Failed attempts before this one.
+    pub retries: usize,
+    /// `λ / mean(diag H)`.
+    pub percdamp: f64,
+}
+
+/// [`Gptq::prepare`]'s result: what GPTQ needs of the Hessian besides its factor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptqPreparation {
+    /// `dead[j]` for each original column `j` (`H[j,j] == 0`: its weights are zeroed and its
+    /// diagonal set to 1 before damping).
+    pub dead: Vec<bool>,
+    /// The loop order: loop position `c` is original column `order[c]`.
+    pub order: Vec<usize>,
+    /// `mean(diag H)` with dead columns counted as 1: the damping reference.
+    pub mean_diag: f64,
+    /// Columns per group (`inp` when per-channel).
+    pub group_size: usize,
+}
+
+impl GptqPreparation {
+    /// The weights with dead columns zeroed (original order) and the same in loop order,
+    /// both row-major `[out, inp]`.
+    pub fn loop_weights(&self, weights: &[f32], inp: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut w0 = weights.to_vec();
+        for row in w0.chunks_exact_mut(inp.max(1)) {
+            for (v, _) in row.iter_mut().zip(&self.dead).filter(|(_, &d)| d) {
+                *v = 0.0;
+            }
+        }
+        let w_loop = permute_columns(&w0, inp, &self.order);
+        (w0, w_loop)
     }
-    order
+
+    /// The static group of each loop position (the group of its original column).
+    pub fn static_group_of(&self) -> Vec<usize> {
+        self.order.iter().map(|&j| j / self.group_size).collect()
+    }
+
+    /// `diag(H)` in loop order with dead columns set to 1: the diagonal of the matrix the
+    /// factor is computed from, before damping.
+    pub fn fixed_diagonal_in_loop_order(&self, diag: &[f64]) -> Vec<f64> {
+        self.order
+            .iter()
+            .map(|&j| if self.dead[j] { 1.0 } else { diag[j] })
+            .collect()
+    }
 }
 
 /// `W[:, order[c]] = Wp[:, c]`: the inverse of [`permute_columns`], rows in parallel.

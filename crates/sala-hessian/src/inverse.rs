@@ -57,6 +57,25 @@ impl Damping {
         }
         Ok(())
     }
+
+    /// The relative damping of each attempt, in order: `percdamp`, then `percdamp · growth`
+    /// after each failure, `max_retries + 1` values in all.
+    pub fn relative_dampings(&self) -> impl Iterator<Item = f64> {
+        let growth = self.growth;
+        std::iter::successors(Some(self.percdamp), move |p| Some(p * growth))
+            .take(self.max_retries + 1)
+    }
+
+    /// The error when every attempt failed, for a Hessian whose damping reference
+    /// (`mean(diag H)`, dead columns counted as 1) is `mean_diag`.
+    pub fn exhausted(&self, mean_diag: f64) -> HessianError {
+        let last_percdamp = self.relative_dampings().last().unwrap_or(self.percdamp);
+        HessianError::NotPositiveDefinite {
+            attempts: self.max_retries + 1,
+            last_damp: last_percdamp * mean_diag,
+            last_percdamp,
+        }
+    }
 }
 
 /// One damping attempt factored elsewhere than faer on the host (a GPU's Cholesky), for
@@ -112,10 +131,10 @@ impl CholeskyInverse {
         damping.validate()?;
         h.check_finite()?;
         check_permutation(order, h.dim())?;
-        let dead = dead_columns(h);
-        let mean_diag = mean_fixed_diagonal(h, &dead);
-        let mut percdamp = damping.percdamp;
-        for attempt in 0..=damping.max_retries {
+        let diag = diagonal_f64(h);
+        let dead = dead_columns(&diag);
+        let mean_diag = mean_fixed_diagonal(&diag, &dead);
+        for (attempt, percdamp) in damping.relative_dampings().enumerate() {
             let damp = percdamp * mean_diag;
             let upper = match factorizer {
                 None => try_inverse_upper(h, order, &dead, damp),
@@ -133,15 +152,8 @@ impl CholeskyInverse {
                     percdamp,
                 });
             }
-            if attempt < damping.max_retries {
-                percdamp *= damping.growth;
-            }
         }
-        Err(HessianError::NotPositiveDefinite {
-            attempts: damping.max_retries + 1,
-            last_damp: percdamp * mean_diag,
-            last_percdamp: percdamp,
-        })
+        Err(damping.exhausted(mean_diag))
     }
 
     /// `U`, the upper Cholesky factor of `(H + λI)⁻¹` in the permuted order, `[dim, dim]`
@@ -192,17 +204,38 @@ fn check_permutation(order: &[usize], dim: usize) -> Result<(), HessianError> {
     Ok(())
 }
 
-/// `dead[i]` for each original column `i`.
-pub(crate) fn dead_columns<T: HessianScalar>(h: &Hessian<T>) -> Vec<bool> {
-    (0..h.dim()).map(|i| h.get(i, i).into() == 0.0).collect()
+/// `diag(H)` in f64.
+pub(crate) fn diagonal_f64<T: HessianScalar>(h: &Hessian<T>) -> Vec<f64> {
+    (0..h.dim()).map(|i| h.get(i, i).into()).collect()
+}
+
+/// `dead[i]` for each column `i` of a Hessian with diagonal `diag` (`H[i,i] == 0`: the
+/// column never saw a non-zero input).
+pub fn dead_columns(diag: &[f64]) -> Vec<bool> {
+    diag.iter().map(|&d| d == 0.0).collect()
 }
 
 /// `mean(diag H)` after dead columns got their unit diagonal (the damping reference).
-pub(crate) fn mean_fixed_diagonal<T: HessianScalar>(h: &Hessian<T>, dead: &[bool]) -> f64 {
-    let sum: f64 = (0..h.dim())
-        .map(|i| if dead[i] { 1.0 } else { h.get(i, i).into() })
+pub fn mean_fixed_diagonal(diag: &[f64], dead: &[bool]) -> f64 {
+    let sum: f64 = diag
+        .iter()
+        .zip(dead)
+        .map(|(&d, &dead)| if dead { 1.0 } else { d })
         .sum();
-    sum / h.dim() as f64
+    sum / diag.len().max(1) as f64
+}
+
+/// The host's own factorization as an [`UpperFactorizer`] (faer, f32 in, f32 out): what a
+/// device without a Cholesky of its own falls back to.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FaerFactorizer;
+
+impl UpperFactorizer for FaerFactorizer {
+    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
+        let h = Hessian::from_row_major(n, a)?;
+        let order: Vec<usize> = (0..n).collect();
+        Ok(try_inverse_upper(&h, &order, &vec![false; n], 0.0))
+    }
 }
 
 /// `P (H + λI) Pᵀ` (row `i` is row `order[i]` of `H`, dead columns with a unit diagonal)

@@ -37,12 +37,13 @@ pub use error::HessianError;
 /// come from.
 pub use faer;
 pub use gptq::{
-    BlockedLoop, ColumnProblem, ColumnSolution, FailurePolicy, Gptq, GptqColumnLoop, GptqConfig,
+    BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FailurePolicy, Gptq,
+    GptqColumnLoop, GptqConfig, GptqPreparation,
 };
 pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
-pub use inverse::{CholeskyInverse, Damping, UpperFactorizer};
+pub use inverse::{CholeskyInverse, Damping, FaerFactorizer, UpperFactorizer};
 pub use quantized::{IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{IntScheme, QuantParams};

@@ -20,7 +20,7 @@ use crate::gptq::{
     quantize_column, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig,
 };
 use crate::hessian::{Hessian, Normalization};
-use crate::inverse::{dead_columns, mean_fixed_diagonal};
+use crate::inverse::{dead_columns, diagonal_f64, mean_fixed_diagonal};
 use crate::quantized::QuantizedLinear;
 use crate::scalar::HessianScalar;
 
@@ -137,8 +137,9 @@ pub fn inverse_upper_textbook<T: HessianScalar>(
     percdamp: f64,
 ) -> Result<Mat<f64>, HessianError> {
     let n = h.dim();
-    let dead = dead_columns(h);
-    let damp = percdamp * mean_fixed_diagonal(h, &dead);
+    let diag = diagonal_f64(h);
+    let dead = dead_columns(&diag);
+    let damp = percdamp * mean_fixed_diagonal(&diag, &dead);
     let mut l = Mat::<f64>::from_fn(n, n, |i, j| {
         let v = if i == j && dead[i] {
             1.0
