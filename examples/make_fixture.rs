@@ -5,7 +5,13 @@
 //! ```text
 //! cargo run --release --example make_fixture            # rewrites fixtures/tiny-{sala,llama}
 //! cargo run --release --example make_fixture -- --out /tmp/fx
+//! cargo run --release --example make_fixture -- --full-size DIR [--seed N] [--config PATH]
 //! ```
+//!
+//! `--full-size DIR` writes instead a random-weight checkpoint of the released MiniCPM-SALA 9B
+//! config (or `--config`) into `DIR` in the released layout: 4 bf16 shards and their index,
+//! a byte-level BPE padded to the config's vocabulary and the auxiliary files (~19 GB; see
+//! `sala_quant::full_size`).
 //!
 //! Tiny SALA: hidden 256, 8 layers, minicpm4 (sparse) at layers 0, 2, 5 and 7 (first and last
 //! sparse as in the released model, lightning elsewhere), 4 query heads × 64 with 2 KV heads
@@ -17,7 +23,6 @@
 #![recursion_limit = "256"]
 
 use std::collections::BTreeMap;
-use std::error::Error;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Distribution, Tensor};
@@ -26,14 +31,14 @@ use clap::Parser;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use sala_model::{SalaConfig, TensorSpec};
+use sala_quant::full_size::{
+    generation_config, special_tokens_map, tokenizer_config, train_tokenizer, write_checkpoint,
+    write_json, Options,
+};
 use serde_json::{json, Value};
-use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{AddedToken, TokenizerBuilder};
 
 type Backend = NdArray<f32>;
-type AnyError = Box<dyn Error + Send + Sync>;
+type AnyError = sala_quant::full_size::Error;
 
 /// Vocabulary of both fixtures (special tokens included).
 const VOCAB: usize = 2048;
@@ -42,21 +47,44 @@ const OUTLIER_CHANNELS: [usize; 4] = [7, 61, 130, 201];
 const OUTLIER_GAIN: f32 = 10.0;
 
 #[derive(Parser)]
-#[command(about = "Regenerate the tiny SALA and Llama fixtures")]
+#[command(
+    about = "Regenerate the tiny SALA and Llama fixtures, or write a full-size random checkpoint"
+)]
 struct Args {
     /// Fixtures directory (must contain text/train.txt); defaults to the repository's fixtures/.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "full_size")]
     out: Option<PathBuf>,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 8)]
     seed: u64,
+    /// Write a full-size random-weight MiniCPM-SALA checkpoint into DIR (absent or empty)
+    /// instead of the tiny fixtures.
+    #[arg(long, value_name = "DIR")]
+    full_size: Option<PathBuf>,
+    /// The config.json of --full-size (default: fixtures/minicpm-sala-9b-config.json).
+    #[arg(long, requires = "full_size")]
+    config: Option<PathBuf>,
 }
 
 fn main() -> Result<(), AnyError> {
     let args = Args::parse();
+    if let Some(dir) = args.full_size {
+        let mut options = Options::new(args.seed);
+        if let Some(config) = args.config {
+            options.config = config;
+        }
+        match write_checkpoint(&dir, &options) {
+            Ok(summary) => println!("{summary}"),
+            Err(e) => {
+                eprintln!("make_fixture --full-size: {e}");
+                std::process::exit(1);
+            }
+        }
+        return Ok(());
+    }
     let fixtures = args.out.unwrap_or_else(sala_quant::fixtures_dir);
     let train = fixtures.join("text").join("train.txt");
-    let tokenizer = train_tokenizer(&train)?;
+    let tokenizer = train_tokenizer(&train, VOCAB)?;
     write_model(
         &fixtures,
         "tiny-sala",
@@ -72,48 +100,6 @@ fn main() -> Result<(), AnyError> {
         args.seed + 1,
     )?;
     Ok(())
-}
-
-/// Byte-level BPE with `<unk>` = 0, `<s>` = 1, `</s>` = 2; the post-processor prepends `<s>`.
-fn train_tokenizer(train: &Path) -> Result<String, AnyError> {
-    let specials = ["<unk>", "<s>", "</s>"];
-    let mut trainer = BpeTrainerBuilder::new()
-        .show_progress(false)
-        .vocab_size(VOCAB)
-        .min_frequency(2)
-        .special_tokens(
-            specials
-                .iter()
-                .map(|s| AddedToken::from(s.to_string(), true))
-                .collect(),
-        )
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .build();
-    let bos = TemplateProcessing::builder()
-        .try_single("<s> $A")?
-        .special_tokens(vec![("<s>", 1)])
-        .build()?;
-    let mut tokenizer = TokenizerBuilder::new()
-        .with_model(BPE::default())
-        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
-        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
-        .with_post_processor(Some(bos))
-        .with_decoder(Some(ByteLevel::default()))
-        .build()?;
-    let file = train
-        .to_str()
-        .ok_or_else(|| format!("{}: path is not UTF-8", train.display()))?;
-    tokenizer.train_from_files(&mut trainer, vec![file.to_owned()])?;
-    for (id, token) in specials.iter().enumerate() {
-        if tokenizer.token_to_id(token) != Some(id as u32) {
-            return Err(format!("tokenizer: {token} did not get id {id}").into());
-        }
-    }
-    let size = tokenizer.get_vocab_size(true);
-    if size > VOCAB {
-        return Err(format!("tokenizer vocabulary {size} exceeds {VOCAB}").into());
-    }
-    tokenizer.to_string(true)
 }
 
 fn sala_config() -> Value {
@@ -284,10 +270,7 @@ fn write_model(
     std::fs::write(dir.join("tokenizer.json"), tokenizer_json)?;
     write_json(&dir.join("generation_config.json"), &generation_config())?;
     write_json(&dir.join("tokenizer_config.json"), &tokenizer_config())?;
-    write_json(
-        &dir.join("special_tokens_map.json"),
-        &json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
-    )?;
+    write_json(&dir.join("special_tokens_map.json"), &special_tokens_map())?;
 
     let target = fixtures.join(name);
     if target.exists() {
@@ -301,36 +284,4 @@ fn write_model(
         config.num_layers()
     );
     Ok(())
-}
-
-fn write_json(path: &Path, value: &Value) -> Result<(), AnyError> {
-    Ok(std::fs::write(
-        path,
-        serde_json::to_string_pretty(value)? + "\n",
-    )?)
-}
-
-fn generation_config() -> Value {
-    json!({
-        "bos_token_id": 1,
-        "eos_token_id": [2],
-        "pad_token_id": 2,
-        "do_sample": true,
-        "temperature": 0.9,
-        "transformers_version": "4.57.1"
-    })
-}
-
-fn tokenizer_config() -> Value {
-    json!({
-        "add_bos_token": true,
-        "add_eos_token": false,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": null,
-        "clean_up_tokenization_spaces": false,
-        "model_max_length": 524288,
-        "tokenizer_class": "PreTrainedTokenizerFast"
-    })
 }

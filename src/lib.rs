@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub mod device;
 pub mod forward_cli;
+pub mod full_size;
 pub mod quantize_cli;
 pub mod synthetic_cli;
 
