@@ -136,9 +136,9 @@ fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
     let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
-    let factorizer = CusolverFactorizer::new(client.clone(), Arc::new(lapack));
+    let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
     Ok(Box::new(
-        DeviceSolver::new(client, gemm, "cuda").with_factorizer(Box::new(factorizer)),
+        DeviceSolver::new(client, gemm, "cuda").with_device_factorizer(factorizer),
     ))
 }
 

@@ -7,9 +7,12 @@
 //! - [`gemm`]: the [`Gemm`] trait (`C ← β·C + α·op(A)·op(B)`) and its portable
 //!   implementation [`CubeGemm`] (cubek-matmul);
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
+//! - [`hessian_ops`]: what GPTQ reads of a Hessian that stays on the device (diagonal,
+//!   finiteness, the damped permuted copy, the proxy error's row dots);
 //! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
 //! - [`block_search`]: the NVFP4 block-scale search ([`nvfp4_block_search`]);
-//! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device;
+//! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device, and GPTQ
+//!   on a device Hessian ([`DeviceSolver::solve_gptq_resident`], [`DeviceFactorizer`]);
 //! - [`flip`]: `P·M·P`, `P` the reversal ([`flip::reversed`]), for the cuSOLVER
 //!   route to GPTQ's factor;
 //! - [`attention`]: causal grouped-query flash attention over packed variable-length
@@ -28,6 +31,7 @@ pub mod flip;
 pub mod gemm;
 pub mod gptq;
 pub mod hessian;
+pub mod hessian_ops;
 mod launch;
 pub mod softmax;
 pub mod solver;
@@ -40,7 +44,7 @@ pub use gemm::{CubeGemm, Gemm};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
-pub use solver::DeviceSolver;
+pub use solver::{DeviceFactorizer, DeviceSolver};
 
 /// The CubeCL version these kernels are written against (pinned `=0.10.0`).
 pub use cubecl;

@@ -1,20 +1,28 @@
 //! [`DeviceSolver`]: `sala-hessian`'s [`LinearSolver`] with GPTQ's column loop
-//! ([`gptq_solve`]) and the NVFP4 block search ([`nvfp4_block_search`]) on a CubeCL device.
+//! ([`gptq_solve`]) and the NVFP4 block search ([`nvfp4_block_search`]) on a CubeCL device,
+//! and GPTQ on a Hessian that never leaves the device ([`DeviceSolver::solve_gptq_resident`]).
 //!
-//! GPTQ's preparation (checks, dead columns, act-order, the damped inverse with its retries,
-//! static groups) and finishing (un-permuting, dequantization, proxy error) are the host
-//! solver's own ([`Gptq::solve_with_loop`]), so a device result differs from [`CpuSolver`]'s
-//! only by f32 summation orders in the loop. Static groups keep the host loop (their
-//! parameters come from the original weight; the kernel computes them at group starts).
+//! With a host Hessian, GPTQ's preparation (checks, dead columns, act-order, the damped
+//! inverse with its retries, static groups) and finishing (un-permuting, dequantization, proxy
+//! error) are the host solver's own ([`Gptq::solve_with_loop`]), so a device result differs
+//! from [`CpuSolver`]'s only by f32 summation orders in the loop. With a device Hessian the
+//! same preparation and finishing run from its downloaded diagonal ([`Gptq::prepare`],
+//! [`Gptq::finish`]); the damped permuted copy, its factor, the column loop and the proxy
+//! error stay on the device. Static groups keep the host loop (their parameters come from the
+//! original weight; the kernel computes them at group starts).
 //!
 //! [`CpuSolver`]: sala_hessian::CpuSolver
 
+use std::sync::Arc;
+
 use cubecl::prelude::*;
+use sala_formats::IntQuantizer;
+use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
 use sala_hessian::{
-    BlockedLoop, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig, Hessian,
-    HessianError, LinearSolver, Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear,
-    UpperFactorizer,
+    BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
+    Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
+    Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear, UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -22,14 +30,48 @@ use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::gemm::Gemm;
 use crate::gptq::{gptq_solve, DeviceGptqConfig, MAX_BLOCK};
+use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
+
+/// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
+/// `a⁻¹` (`Uᵀ·U = a⁻¹`, strict lower triangle zero), of the symmetric device matrix `a`.
+pub trait DeviceFactorizer<R: Runtime> {
+    /// `Ok(None)` when `a` is not positive definite (the caller retries with more damping);
+    /// `Err` for a failure of the factorizer itself. `a` may be overwritten.
+    fn upper_factor_on_device(
+        &self,
+        client: &ComputeClient<R>,
+        a: &MatrixView,
+    ) -> Result<Option<MatrixView>, KernelError>;
+}
+
+/// A [`DeviceFactorizer`] as an [`UpperFactorizer`] for host Hessians: uploads `a`, downloads
+/// `U`.
+struct Uploading<R: Runtime> {
+    client: ComputeClient<R>,
+    inner: Arc<dyn DeviceFactorizer<R>>,
+}
+
+impl<R: Runtime> UpperFactorizer for Uploading<R> {
+    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
+        let a = MatrixView::upload(&self.client, a, n, n)?;
+        match self.inner.upper_factor_on_device(&self.client, &a)? {
+            Some(u) => Ok(Some(sala_hessian::layout::square_from_row_major(
+                &u.download(&self.client)?,
+                n,
+            )?)),
+            None => Ok(None),
+        }
+    }
+}
 
 /// A [`LinearSolver`] whose column loop and block search run on `client`'s device, with
-/// `gemm` for GPTQ's trailing updates.
+/// `gemm` for GPTQ's trailing updates and the proxy error's product.
 pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     client: ComputeClient<R>,
     gemm: G,
     name: String,
     factorizer: Option<Box<dyn UpperFactorizer>>,
+    device_factorizer: Option<Arc<dyn DeviceFactorizer<R>>>,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -40,13 +82,188 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             gemm,
             name: name.into(),
             factorizer: None,
+            device_factorizer: None,
         }
     }
 
-    /// Factors GPTQ's damped Hessians with `factorizer` instead of faer on the host.
+    /// Factors GPTQ's damped Hessians with the host-side `factorizer` instead of faer (for
+    /// device Hessians too: the damped copy then goes to the host and `U` back).
     pub fn with_factorizer(mut self, factorizer: Box<dyn UpperFactorizer>) -> Self {
         self.factorizer = Some(factorizer);
+        self.device_factorizer = None;
         self
+    }
+
+    /// Factors GPTQ's damped Hessians on the device with `factorizer` (cuSOLVER on CUDA),
+    /// for host Hessians (uploaded) and device Hessians alike.
+    pub fn with_device_factorizer(mut self, factorizer: Arc<dyn DeviceFactorizer<R>>) -> Self {
+        self.factorizer = Some(Box::new(Uploading {
+            client: self.client.clone(),
+            inner: factorizer.clone(),
+        }));
+        self.device_factorizer = Some(factorizer);
+        self
+    }
+
+    /// GPTQ of `weights` `[out, inp]` (row-major f32, host) against the Hessian `h`
+    /// `[inp, inp]` f32 in this solver's device memory (normalized and smoothed; its lower
+    /// triangle is read for the factor, the whole matrix for the proxy error). What
+    /// [`LinearSolver::solve_gptq`] returns for the same Hessian on the host, up to f32
+    /// summation orders; only `diag(H)`, the weights, the codes and a few figures cross the
+    /// bus. `h` is left as it is.
+    pub fn solve_gptq_resident(
+        &self,
+        config: &GptqConfig,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &MatrixView,
+    ) -> Result<QuantizedLinear, HessianError> {
+        let gptq = Gptq::new(*config)?;
+        if (h.rows, h.cols) != (inp, inp) {
+            return Err(HessianError::DimensionMismatch {
+                what: "hessian dimension vs weight columns",
+                left: h.rows,
+                right: inp,
+            });
+        }
+        let client = &self.client;
+        let diag: Vec<f64> = diagonal(client, h)?
+            .download(client)?
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let prepared = gptq.prepare(weights, out, inp, &diag)?;
+        if let Some((row, col)) = first_non_finite(client, h)? {
+            let value = h.window(row, col, 1, 1)?.download(client)?[0];
+            return Err(HessianError::NonFinite {
+                what: "hessian",
+                row,
+                col,
+                value: value as f64,
+            });
+        }
+        if config.static_groups && config.grid.group_size.is_some() {
+            // Static groups keep the host loop: the Hessian comes to the host.
+            let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
+            return gptq.solve_with_loop(weights, out, inp, &host, self);
+        }
+        let proxy = |dequantized: &[f32]| self.proxy_error(h, weights, dequantized, out, inp);
+        let Some((upper, attempt)) = self.damped_factor(h, &prepared, &config.damping, &diag)?
+        else {
+            return match config.on_failure {
+                FailurePolicy::Error => Err(config.damping.exhausted(prepared.mean_diag)),
+                FailurePolicy::Rtn => {
+                    let mut q = gptq.rtn_fallback::<f32>(weights, out, inp, None)?;
+                    if config.proxy_error {
+                        q.proxy_error = Some(proxy(&q.dequantized)?);
+                    }
+                    Ok(q)
+                }
+            };
+        };
+        let (_, w_loop) = prepared.loop_weights(weights, inp);
+        let w_view = MatrixView::upload(client, &w_loop, out, inp)?;
+        let loop_config = loop_config(gptq.quantizer(), prepared.group_size, config.block_size);
+        let sol = self.solve_columns(&w_view, &upper, &loop_config)?;
+        drop(upper);
+        gptq.finish(weights, &prepared, sol, None, attempt, proxy)
+    }
+
+    /// The damping schedule on the device: the damped permuted copy of `h`, factored, until a
+    /// factor exists and is finite. `None` when every attempt failed.
+    fn damped_factor(
+        &self,
+        h: &MatrixView,
+        prepared: &GptqPreparation,
+        damping: &sala_hessian::Damping,
+        diag: &[f64],
+    ) -> Result<Option<(MatrixView, DampingAttempt)>, HessianError> {
+        let fixed = prepared.fixed_diagonal_in_loop_order(diag);
+        for (retries, percdamp) in damping.relative_dampings().enumerate() {
+            let damp = percdamp * prepared.mean_diag;
+            let damped: Vec<f32> = fixed.iter().map(|&d| (d + damp) as f32).collect();
+            let a = damped_permuted(&self.client, h, &prepared.order, &damped)?;
+            let Some(u) = self.factor(&a)? else {
+                continue;
+            };
+            if first_non_finite(&self.client, &u)?.is_none() {
+                return Ok(Some((u, DampingAttempt { retries, percdamp })));
+            }
+        }
+        Ok(None)
+    }
+
+    /// One factorization of the device matrix `a`: on the device when a device factorizer is
+    /// set, else on the host (the given factorizer or faer).
+    fn factor(&self, a: &MatrixView) -> Result<Option<MatrixView>, HessianError> {
+        if let Some(f) = &self.device_factorizer {
+            return Ok(f.upper_factor_on_device(&self.client, a)?);
+        }
+        let n = a.rows;
+        let host = a.download(&self.client)?;
+        let upper = match &self.factorizer {
+            Some(f) => f.upper_factor(&host, n)?,
+            None => FaerFactorizer.upper_factor(&host, n)?,
+        };
+        Ok(match upper {
+            Some(u) => Some(MatrixView::upload(
+                &self.client,
+                &square_to_row_major(u.as_ref()),
+                n,
+                n,
+            )?),
+            None => None,
+        })
+    }
+
+    /// `tr(D·H·Dᵀ)`, `D = W − Q`, with `H` on the device: one GEMM `D·H` and the row dots of
+    /// `D` with it (f32 on the device, the rows summed in f64).
+    fn proxy_error(
+        &self,
+        h: &MatrixView,
+        weights: &[f32],
+        dequantized: &[f32],
+        out: usize,
+        inp: usize,
+    ) -> Result<f64, HessianError> {
+        let delta: Vec<f32> = weights
+            .iter()
+            .zip(dequantized)
+            .map(|(&w, &q)| w - q)
+            .collect();
+        let d = MatrixView::upload(&self.client, &delta, out, inp)?;
+        let dh = MatrixView::zeros(&self.client, out, inp)?;
+        self.gemm
+            .gemm(&self.client, 1.0, &d, false, h, false, 0.0, &dh)?;
+        let dots = row_dots(&self.client, &d, &dh)?;
+        Ok(dots.iter().map(|&v| v as f64).sum())
+    }
+
+    /// GPTQ's column loop on the device: `w` (loop order, overwritten) against the factor `u`.
+    fn solve_columns(
+        &self,
+        w: &MatrixView,
+        u: &MatrixView,
+        config: &DeviceGptqConfig,
+    ) -> Result<ColumnSolution, KernelError> {
+        let host = gptq_solve(&self.client, &self.gemm, w, u, config)?.download(&self.client)?;
+        Ok(ColumnSolution {
+            codes: host.codes,
+            params_rows: host.params,
+            column_loss: host.column_loss.iter().map(|&l| l as f64).collect(),
+        })
+    }
+}
+
+/// The kernel's options for `quantizer`'s grid with groups of `group_size` and the configured
+/// lazy block (clamped to the kernel's: the block only changes f32 summation orders).
+fn loop_config(quantizer: IntQuantizer, group_size: usize, block_size: usize) -> DeviceGptqConfig {
+    DeviceGptqConfig {
+        bits: quantizer.bits(),
+        group_size: Some(group_size),
+        scheme: quantizer.scheme(),
+        block: block_size.min(MAX_BLOCK),
     }
 }
 
@@ -98,20 +315,8 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
             let w_view = MatrixView::upload(&self.client, w, out, inp)?;
             let u_view =
                 MatrixView::upload(&self.client, &square_to_row_major(problem.upper), inp, inp)?;
-            let config = DeviceGptqConfig {
-                bits: problem.quantizer.bits(),
-                group_size: Some(problem.group_size),
-                scheme: problem.quantizer.scheme(),
-                // The lazy block only changes f32 summation orders: clamp to the kernel's.
-                block: problem.block_size.min(MAX_BLOCK),
-            };
-            let host = gptq_solve(&self.client, &self.gemm, &w_view, &u_view, &config)?
-                .download(&self.client)?;
-            Ok(ColumnSolution {
-                codes: host.codes,
-                params_rows: host.params,
-                column_loss: host.column_loss.iter().map(|&l| l as f64).collect(),
-            })
+            let config = loop_config(problem.quantizer, problem.group_size, problem.block_size);
+            self.solve_columns(&w_view, &u_view, &config)
         };
         Ok(run()?)
     }

@@ -18,15 +18,13 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
-use sala_hessian::faer::Mat;
-use sala_hessian::layout::square_from_row_major;
-use sala_hessian::{HessianError, UpperFactorizer};
 use std::sync::Arc;
 
 use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
 use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::flip::reversed;
+use crate::solver::DeviceFactorizer;
 
 /// A cuSOLVER dense handle bound to its own stream on the device's primary context.
 #[derive(Debug)]
@@ -79,32 +77,29 @@ fn solver_error(
     }
 }
 
-/// [`inverse_upper_cusolver`] as `sala-hessian`'s [`UpperFactorizer`]: GPTQ's damped
-/// inverse on the GPU inside [`DeviceSolver`](crate::DeviceSolver) (the factor goes back to
-/// the host for the solver's bookkeeping and up again for the column loop: 2·n² f32 of
-/// transfers against `2n³/3` flops of host Cholesky and inverse).
+/// [`inverse_upper_cusolver`] as the [`DeviceFactorizer`] of GPTQ's damped Hessians inside
+/// [`DeviceSolver`](crate::DeviceSolver): the factor stays on the device for the column loop.
 pub struct CusolverFactorizer {
-    client: ComputeClient<CudaRuntime>,
     solver: Arc<Cusolver>,
 }
 
 impl CusolverFactorizer {
-    /// A factorizer on `client`'s device with `solver`'s handle.
-    pub fn new(client: ComputeClient<CudaRuntime>, solver: Arc<Cusolver>) -> Self {
-        Self { client, solver }
+    /// A factorizer with `solver`'s handle.
+    pub fn new(solver: Arc<Cusolver>) -> Self {
+        Self { solver }
     }
 }
 
-impl UpperFactorizer for CusolverFactorizer {
-    fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
-        let h = MatrixView::upload(&self.client, a, n, n)?;
-        match inverse_upper_cusolver(&self.client, &self.solver, &h) {
-            Ok(u) => {
-                let u = u.download(&self.client)?;
-                Ok(Some(square_from_row_major(&u, n)?))
-            }
+impl DeviceFactorizer<CudaRuntime> for CusolverFactorizer {
+    fn upper_factor_on_device(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        a: &MatrixView,
+    ) -> Result<Option<MatrixView>, KernelError> {
+        match inverse_upper_cusolver(client, &self.solver, a) {
+            Ok(u) => Ok(Some(u)),
             Err(KernelError::NotPositiveDefinite { .. }) => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 }

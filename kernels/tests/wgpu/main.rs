@@ -11,6 +11,7 @@ mod flip;
 mod gemm;
 mod gptq;
 mod hessian;
+mod hessian_ops;
 mod memory;
 mod softmax;
 mod solver;

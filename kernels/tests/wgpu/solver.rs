@@ -5,14 +5,18 @@
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::IntScheme;
 use sala_hessian::faer::Mat;
+use sala_hessian::layout::square_to_row_major;
 use sala_hessian::reference::inverse_upper_textbook;
 use sala_hessian::{
-    CpuSolver, GptqConfig, Hessian, HessianError, IntGrid, LinearSolver, Nvfp4BlockSearch,
-    UpperFactorizer,
+    CpuSolver, FaerFactorizer, FailurePolicy, GptqConfig, Hessian, HessianError, IntGrid,
+    LinearSolver, Method, Nvfp4BlockSearch, UpperFactorizer,
 };
-use sala_kernels::{CubeGemm, DeviceSolver};
+use sala_kernels::cubecl::prelude::ComputeClient;
+use sala_kernels::{CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, MatrixView};
 use std::cell::Cell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use crate::common::{client, Rng, TestRuntime};
 
@@ -187,5 +191,181 @@ fn device_block_search_equals_the_host_search_and_reports_bad_weights() {
     assert!(matches!(
         device.search_nvfp4(&search, &weights[1..], rows, cols, &diag, global),
         Err(HessianError::Device(_))
+    ));
+}
+
+/// The host Hessian as the device's f32 row-major matrix.
+fn on_device(h: &Hessian<f64>) -> MatrixView {
+    let values: Vec<f32> = h.to_row_major().iter().map(|&v| v as f32).collect();
+    MatrixView::upload(&client(), &values, h.dim(), h.dim()).unwrap()
+}
+
+/// GPTQ on a Hessian in device memory (diagonal, damped copy, factor, loop and proxy error
+/// on the device) against the host solver on the same Hessian in f64.
+#[test]
+fn resident_gptq_matches_the_host_solver() {
+    let device = solver();
+    let (out, inp) = (40, 160);
+    let mut rng = Rng::new(24);
+    let h = hessian(&mut rng, inp);
+    let h_device = on_device(&h);
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    for (act_order, static_groups, group_size) in [
+        (false, false, Some(32)),
+        (true, false, Some(32)),
+        (true, true, Some(32)),
+        (false, false, None),
+    ] {
+        let config = GptqConfig {
+            grid: IntGrid {
+                bits: 4,
+                scheme: IntScheme::SymmetricIst,
+                group_size,
+            },
+            block_size: 64,
+            act_order,
+            static_groups,
+            ..GptqConfig::default()
+        };
+        let label = format!("act_order {act_order} static {static_groups} group {group_size:?}");
+        let cpu = CpuSolver
+            .solve_gptq(&config, &weights, out, inp, &h)
+            .unwrap();
+        let gpu = device
+            .solve_gptq_resident(&config, &weights, out, inp, &h_device)
+            .unwrap();
+        assert_eq!(gpu.g_idx, cpu.g_idx, "{label}");
+        assert_eq!(
+            (gpu.method, gpu.damping_retries, gpu.percdamp),
+            (cpu.method, cpu.damping_retries, cpu.percdamp),
+            "{label}"
+        );
+        let differing = gpu
+            .codes
+            .iter()
+            .zip(&cpu.codes)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            differing * 50 <= gpu.codes.len(),
+            "{label}: {differing} codes differ"
+        );
+        assert!(
+            relative(gpu.loss, cpu.loss) < 1e-2,
+            "{label}: loss {} vs {}",
+            gpu.loss,
+            cpu.loss
+        );
+        // Dead column 3 quantizes to zero on both.
+        assert!(
+            (0..out).all(|r| gpu.dequantized[r * inp + 3] == 0.0),
+            "{label}"
+        );
+        let (a, b) = (gpu.proxy_error.unwrap(), cpu.proxy_error.unwrap());
+        assert!(relative(a, b) < 2e-2, "{label}: proxy {a} vs {b}");
+    }
+    assert_eq!(
+        h_device.download(&client()).unwrap(),
+        on_device(&h).download(&client()).unwrap(),
+        "the device Hessian is left as it is"
+    );
+}
+
+/// The host's faer Cholesky behind the device interface, counting its calls and refusing the
+/// first `refuse` matrices (as a Cholesky refuses a matrix that is not positive definite).
+struct CountingDeviceFactorizer {
+    calls: Arc<AtomicUsize>,
+    refuse: usize,
+}
+
+impl DeviceFactorizer<TestRuntime> for CountingDeviceFactorizer {
+    fn upper_factor_on_device(
+        &self,
+        client: &ComputeClient<TestRuntime>,
+        a: &MatrixView,
+    ) -> Result<Option<MatrixView>, KernelError> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if call <= self.refuse {
+            return Ok(None);
+        }
+        let n = a.rows;
+        let u = FaerFactorizer
+            .upper_factor(&a.download(client)?, n)
+            .unwrap()
+            .unwrap();
+        MatrixView::upload(client, &square_to_row_major(u.as_ref()), n, n).map(Some)
+    }
+}
+
+#[test]
+fn resident_damping_retries_go_through_the_device_factorizer() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let device = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
+        calls: calls.clone(),
+        refuse: 2,
+    }));
+    let (out, inp) = (16, 64);
+    let mut rng = Rng::new(25);
+    let h = hessian(&mut rng, inp);
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    let config = GptqConfig::default();
+    let q = device
+        .solve_gptq_resident(&config, &weights, out, inp, &on_device(&h))
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(q.damping_retries, 2);
+    assert!(relative(q.percdamp, config.damping.percdamp * 100.0) < 1e-12);
+
+    // Every attempt refused: the schedule's error, or RTN with its proxy error on request.
+    let refusing = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
+        calls: Arc::new(AtomicUsize::new(0)),
+        refuse: usize::MAX,
+    }));
+    let err = refusing
+        .solve_gptq_resident(&config, &weights, out, inp, &on_device(&h))
+        .unwrap_err();
+    assert!(
+        matches!(err, HessianError::NotPositiveDefinite { attempts: 6, .. }),
+        "{err:?}"
+    );
+    let rtn_config = GptqConfig {
+        on_failure: FailurePolicy::Rtn,
+        ..config
+    };
+    let rtn = refusing
+        .solve_gptq_resident(&rtn_config, &weights, out, inp, &on_device(&h))
+        .unwrap();
+    let host_rtn = CpuSolver
+        .quantize_rtn(config.grid, &weights, out, inp, &h)
+        .unwrap();
+    assert_eq!(rtn.method, Method::RtnFallback);
+    assert_eq!(rtn.codes, host_rtn.codes);
+    let (a, b) = (rtn.proxy_error.unwrap(), host_rtn.proxy_error.unwrap());
+    assert!(relative(a, b) < 1e-3, "proxy {a} vs {b}");
+}
+
+#[test]
+fn resident_gptq_refuses_bad_hessians_by_position() {
+    let device = solver();
+    let (out, inp) = (8, 32);
+    let mut rng = Rng::new(26);
+    let h = hessian(&mut rng, inp);
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    let mut values: Vec<f32> = h.to_row_major().iter().map(|&v| v as f32).collect();
+    values[5 * inp + 9] = f32::NAN;
+    let bad = MatrixView::upload(&client(), &values, inp, inp).unwrap();
+    match device.solve_gptq_resident(&GptqConfig::default(), &weights, out, inp, &bad) {
+        Err(HessianError::NonFinite {
+            what: "hessian",
+            row: 5,
+            col: 9,
+            ..
+        }) => {}
+        other => panic!("expected the NaN at (5, 9): {other:?}"),
+    }
+    let small = on_device(&hessian(&mut rng, inp / 2));
+    assert!(matches!(
+        device.solve_gptq_resident(&GptqConfig::default(), &weights, out, inp, &small),
+        Err(HessianError::DimensionMismatch { .. })
     ));
 }
