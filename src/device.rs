@@ -4,7 +4,9 @@
 use burn::tensor::backend::Backend;
 use clap::ValueEnum;
 use sala_gptq::model::{FastOps, Numerics};
-use sala_gptq::{CpuBackend, CpuSolver, LinearSolver, MemoryProbe, QuantizeOptions};
+use sala_gptq::{
+    CpuBackend, CpuSolver, LinearSolver, MemoryProbe, QuantizeOptions, ResidentSolver,
+};
 use std::error::Error;
 use std::sync::Arc;
 
@@ -64,12 +66,14 @@ pub trait DeviceJob {
     /// What the job returns.
     type Output;
     /// Runs on `device` of backend `B`, with a device-memory probe on GPUs, solving each
-    /// linear with `solver`, the model's heaviest steps with `fast` where the backend has them.
+    /// linear with `solver` (GPTQ on device Hessians with `resident` where given), the model's
+    /// heaviest steps with `fast` where the backend has them.
     fn run<B: Backend>(
         self,
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        resident: Option<Arc<dyn ResidentSolver<B>>>,
         fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
@@ -86,7 +90,7 @@ pub fn dispatch<J: DeviceJob>(
 ) -> Result<J::Output, Box<dyn Error>> {
     match device {
         DeviceArg::Cpu => {
-            job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None)
+            job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None, None)
         }
         DeviceArg::Cuda => run_cuda(example, host_solver, job),
     }
@@ -100,14 +104,74 @@ fn run_cuda<J: DeviceJob>(
 ) -> Result<J::Output, Box<dyn Error>> {
     use sala_gptq::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
     enable_kernel_cache();
-    let solver: Box<dyn LinearSolver> = if host_solver {
-        Box::new(CpuSolver)
-    } else {
-        cuda_solver()?
-    };
+    let (solver, resident): (Box<dyn LinearSolver>, Option<Arc<dyn ResidentSolver<_>>>) =
+        if host_solver {
+            (Box::new(CpuSolver), None)
+        } else {
+            let resident: Arc<dyn ResidentSolver<CudaBackend>> =
+                Arc::new(CudaResident(cuda_solver()?));
+            (Box::new(cuda_solver()?), Some(resident))
+        };
     let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops());
-    job.run::<CudaBackend>(CudaDevice::default(), Some(cuda_memory), solver, Some(fast))
+    job.run::<CudaBackend>(
+        CudaDevice::default(),
+        Some(cuda_memory),
+        solver,
+        resident,
+        Some(fast),
+    )
 }
+
+/// The device solver on CUDA for GPTQ on the statistics' own device Hessians.
+#[cfg(feature = "cuda")]
+struct CudaResident(CudaSolver);
+
+#[cfg(feature = "cuda")]
+impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
+    fn name(&self) -> &str {
+        "cuda (device Hessians)"
+    }
+
+    fn solve_gptq(
+        &self,
+        config: &sala_gptq::hessian::GptqConfig,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+    ) -> Result<sala_gptq::hessian::QuantizedLinear, sala_gptq::hessian::HessianError> {
+        self.0
+            .solve_gptq_resident(config, weights, out, inp, &device_view(h)?)
+    }
+
+    fn quantize_rtn(
+        &self,
+        grid: sala_gptq::hessian::IntGrid,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+    ) -> Result<sala_gptq::hessian::QuantizedLinear, sala_gptq::hessian::HessianError> {
+        self.0
+            .quantize_rtn_resident(grid, weights, out, inp, &device_view(h)?)
+    }
+}
+
+/// The statistics tensor as a kernel window on its own buffer.
+#[cfg(feature = "cuda")]
+fn device_view(
+    h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+) -> Result<sala_kernels::MatrixView, sala_gptq::hessian::HessianError> {
+    sala_gptq::model::f32_matrix_view(h)
+        .map_err(|e| sala_gptq::hessian::HessianError::Device(e.to_string()))
+}
+
+/// The device solver of the CUDA path.
+#[cfg(feature = "cuda")]
+type CudaSolver = sala_kernels::DeviceSolver<
+    sala_kernels::cubecl::cuda::CudaRuntime,
+    sala_kernels::cuda::CublasGemm,
+>;
 
 /// The model's fast path on device 0: the attention kernel, and cuBLAS linears when cuBLAS
 /// loads (else the linears stay on burn's matmul, with a warning).
@@ -125,9 +189,9 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
 }
 
 /// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,
-/// pedantic) for GPTQ's trailing updates, cuSOLVER for its damped inverse.
+/// pedantic) for GPTQ's trailing updates and proxy errors, cuSOLVER for its damped inverse.
 #[cfg(feature = "cuda")]
-fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
+fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
     use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     use sala_kernels::cubecl::Runtime;
     use sala_kernels::cuda::{Cublas, CublasGemm, Cusolver, CusolverFactorizer, Fp32Math};
@@ -137,9 +201,7 @@ fn cuda_solver() -> Result<Box<dyn LinearSolver>, Box<dyn Error>> {
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
     let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
     let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
-    Ok(Box::new(
-        DeviceSolver::new(client, gemm, "cuda").with_device_factorizer(factorizer),
-    ))
+    Ok(DeviceSolver::new(client, gemm, "cuda").with_device_factorizer(factorizer))
 }
 
 #[cfg(not(feature = "cuda"))]

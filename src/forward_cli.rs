@@ -15,7 +15,7 @@ use sala_gptq::forward_bench::{
     PRODUCTION_LENGTH_MIX,
 };
 use sala_gptq::model::{FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, SalaConfig};
-use sala_gptq::{LinearSolver, MemoryProbe, SyntheticModel, WeightSource};
+use sala_gptq::{LinearSolver, MemoryProbe, ResidentSolver, SyntheticModel, WeightSource};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -182,6 +182,7 @@ impl DeviceJob for ForwardJob {
         device: B::Device,
         _memory: Option<MemoryProbe<B>>,
         _solver: Box<dyn LinearSolver>,
+        _resident: Option<Arc<dyn ResidentSolver<B>>>,
         fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<ForwardReport, Box<dyn Error>> {
         let options = sala_gptq::model::RunOptions {

@@ -12,7 +12,7 @@ use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
 use sala_gptq::{
     LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
-    QuantPlan, QuantizeOptions, Recipe, Report, Sample, Stage,
+    QuantPlan, QuantizeOptions, Recipe, Report, ResidentSolver, Sample, Stage,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -303,9 +303,13 @@ impl DeviceJob for QuantizeJob<'_> {
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        resident: Option<Arc<dyn ResidentSolver<B>>>,
         fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<Report, Box<dyn std::error::Error>> {
         let mut pipeline = Pipeline::<B>::new(device, self.options).with_solver(solver);
+        if let Some(resident) = resident {
+            pipeline = pipeline.with_resident_solver(resident);
+        }
         if let Some(probe) = memory {
             pipeline = pipeline.with_memory_probe(probe);
         }

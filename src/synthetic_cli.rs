@@ -10,8 +10,8 @@ use sala_gptq::model::{FastOps, SalaConfig};
 use sala_gptq::report::device_memory_text;
 use sala_gptq::synthetic::{random_samples, PRODUCTION_TOKENS};
 use sala_gptq::{
-    LayerReport, LinearSolver, MemoryProbe, Progress, QuantizeOptions, Recipe, Sample, Stage,
-    SyntheticModel, SyntheticReport, SyntheticRun,
+    LayerReport, LinearSolver, MemoryProbe, Progress, QuantizeOptions, Recipe, ResidentSolver,
+    Sample, Stage, SyntheticModel, SyntheticReport, SyntheticRun,
 };
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -175,6 +175,7 @@ impl DeviceJob for SyntheticJob<'_> {
         device: B::Device,
         memory: Option<MemoryProbe<B>>,
         solver: Box<dyn LinearSolver>,
+        resident: Option<Arc<dyn ResidentSolver<B>>>,
         fast: Option<Arc<dyn FastOps<B>>>,
     ) -> Result<SyntheticReport, Box<dyn Error>> {
         let model = SyntheticModel::<B>::new(self.config, self.seed, &device);
@@ -185,6 +186,7 @@ impl DeviceJob for SyntheticJob<'_> {
             solver: solver.as_ref(),
             memory,
             fast,
+            resident,
             layers: self.layers,
             target_tokens: self.target_tokens,
             scratch: &scratch,

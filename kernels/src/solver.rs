@@ -19,10 +19,11 @@ use cubecl::prelude::*;
 use sala_formats::IntQuantizer;
 use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
+use sala_hessian::IntGrid;
 use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
     Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
-    Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear, UpperFactorizer,
+    Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear, Rtn, UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -34,7 +35,7 @@ use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
 
 /// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
 /// `a⁻¹` (`Uᵀ·U = a⁻¹`, strict lower triangle zero), of the symmetric device matrix `a`.
-pub trait DeviceFactorizer<R: Runtime> {
+pub trait DeviceFactorizer<R: Runtime>: Send + Sync {
     /// `Ok(None)` when `a` is not positive definite (the caller retries with more damping);
     /// `Err` for a failure of the factorizer itself. `a` may be overwritten.
     fn upper_factor_on_device(
@@ -168,6 +169,29 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         let sol = self.solve_columns(&w_view, &upper, &loop_config)?;
         drop(upper);
         gptq.finish(weights, &prepared, sol, None, attempt, proxy)
+    }
+
+    /// Round-to-nearest of `weights` on `grid` (host) with its proxy output error under the
+    /// device Hessian `h` `[inp, inp]` (on the device): [`LinearSolver::quantize_rtn`] for a
+    /// Hessian that stays on the device.
+    pub fn quantize_rtn_resident(
+        &self,
+        grid: IntGrid,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &MatrixView,
+    ) -> Result<QuantizedLinear, HessianError> {
+        if (h.rows, h.cols) != (inp, inp) {
+            return Err(HessianError::DimensionMismatch {
+                what: "hessian dimension vs weight columns",
+                left: h.rows,
+                right: inp,
+            });
+        }
+        let mut q = Rtn::new(grid)?.quantize::<f32>(weights, out, inp, None)?;
+        q.proxy_error = Some(self.proxy_error(h, weights, &q.dequantized, out, inp)?);
+        Ok(q)
     }
 
     /// The damping schedule on the device: the damped permuted copy of `h`, factored, until a

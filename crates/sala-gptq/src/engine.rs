@@ -12,6 +12,7 @@ use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
+use crate::resident::ResidentSolver;
 use crate::smoothing::{fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
@@ -27,6 +28,7 @@ use sala_model::{
 use sala_smooth::ScaleRecipe;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Reads the device allocator's memory (e.g. [`sala_model::cuda_memory`] for the CUDA
@@ -76,6 +78,7 @@ pub struct LayerEngine<'a, B: Backend> {
     plan: &'a QuantPlan,
     runner: &'a LayerRunner<B>,
     solver: &'a dyn LinearSolver,
+    resident: Option<Arc<dyn ResidentSolver<B>>>,
     memory: Option<MemoryProbe<B>>,
     samples: &'a [Sample],
     /// Samples still in use (a failed one is dropped when skipping is allowed).
@@ -87,6 +90,10 @@ pub struct LayerEngine<'a, B: Backend> {
     /// Peak device memory of the run.
     peak_device: Option<DeviceMemory>,
 }
+
+/// What a layer's capture leaves: the finalized statistics per input group (`None` where no
+/// quantized linear reads the input), the seconds spent accumulating and finalizing them.
+type Captured<B> = (Vec<Option<Finalized<B>>>, f64, f64);
 
 /// The running maximum of `peak` and `now`.
 fn max_memory(peak: Option<DeviceMemory>, now: Option<DeviceMemory>) -> Option<DeviceMemory> {
@@ -126,6 +133,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             plan,
             runner,
             solver,
+            resident: None,
             memory: None,
             samples,
             active: (0..samples.len()).collect(),
@@ -134,6 +142,13 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             layer_peak: None,
             peak_device: None,
         })
+    }
+
+    /// Solves GPTQ on device Hessians with `resident` where the statistics are on the device
+    /// (`None`: they are downloaded for the `LinearSolver`).
+    pub fn with_resident_solver(mut self, resident: Option<Arc<dyn ResidentSolver<B>>>) -> Self {
+        self.resident = resident;
+        self
     }
 
     /// Samples the device memory with `probe` during every layer (reported per layer).
@@ -345,7 +360,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         needed: &[bool],
         hidden: &HiddenStates<B>,
         progress: &mut dyn Progress,
-    ) -> Result<(Vec<Option<Finalized>>, f64, f64), PipelineError> {
+    ) -> Result<Captured<B>, PipelineError> {
         let first_reader: BTreeMap<&str, usize> = groups
             .iter()
             .enumerate()
@@ -437,7 +452,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         groups: &[InputGroup],
         needed: &[bool],
         weights: &mut LayerWeights,
-        stats: &mut [Option<Finalized>],
+        stats: &mut [Option<Finalized<B>>],
         modified: &mut BTreeSet<String>,
     ) -> Result<BTreeMap<String, (f32, f32)>, PipelineError> {
         let mut ranges = BTreeMap::new();
@@ -489,7 +504,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         layer: usize,
         groups: &[InputGroup],
         weights: &mut LayerWeights,
-        stats: &[Option<Finalized>],
+        stats: &[Option<Finalized<B>>],
         scale_ranges: &BTreeMap<String, (f32, f32)>,
         progress: &mut dyn Progress,
     ) -> Result<Vec<(String, SolvedLinear)>, PipelineError> {
@@ -536,7 +551,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 )));
             }
             let result = match (&linear.treatment, input) {
-                (Treatment::Int { bits, group_size }, Finalized::Full(h)) => {
+                (Treatment::Int { bits, group_size }, h @ Finalized::Full(_))
+                | (Treatment::Int { bits, group_size }, h @ Finalized::DeviceFull(_)) => {
                     self.solve_gptq(&linear, *bits, *group_size, &mut w.data, h, &mut report)?
                 }
                 (Treatment::Nvfp4, Finalized::Diagonal(s)) => {
@@ -565,7 +581,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         bits: u32,
         group_size: usize,
         w: &mut [f32],
-        h: &Hessian<f64>,
+        h: &Finalized<B>,
         report: &mut LinearReport,
     ) -> Result<SolvedLinear, PipelineError> {
         let (out, inp) = (linear.out_features, linear.in_features);
@@ -590,18 +606,42 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         };
         // The options are checked here whatever the solver (and even under --rtn).
         Gptq::new(config).map_err(solve_err)?;
-        let q = if opts.rtn {
-            self.solver.quantize_rtn(grid, w, out, inp, h)
-        } else {
-            self.solver.solve_gptq(&config, w, out, inp, h)
-        }
-        .map_err(solve_err)?;
-        if self.options.compare_rtn {
-            let rtn = self
+        // A device Hessian comes to the host only for a solver that needs it there.
+        let host = std::cell::OnceCell::<Hessian<f64>>::new();
+        let host_hessian = || -> Result<&Hessian<f64>, PipelineError> {
+            if let Some(hessian) = host.get() {
+                return Ok(hessian);
+            }
+            let hessian = h.host_hessian(&linear.name)?.ok_or_else(|| {
+                PipelineError::Unsupported(format!("{}: no full Hessian", linear.name))
+            })?;
+            Ok(host.get_or_init(|| hessian))
+        };
+        let resident = match (h, &self.resident) {
+            (Finalized::DeviceFull(device_h), Some(resident)) => Some((resident, device_h)),
+            _ => None,
+        };
+        let rtn = || match resident {
+            Some((solver, device_h)) => solver
+                .quantize_rtn(grid, w, out, inp, device_h)
+                .map_err(solve_err),
+            None => self
                 .solver
-                .quantize_rtn(grid, w, out, inp, h)
-                .map_err(solve_err)?;
-            report.baseline_output_error = rtn.proxy_error;
+                .quantize_rtn(grid, w, out, inp, host_hessian()?)
+                .map_err(solve_err),
+        };
+        let q = match resident {
+            _ if opts.rtn => rtn()?,
+            Some((solver, device_h)) => solver
+                .solve_gptq(&config, w, out, inp, device_h)
+                .map_err(solve_err)?,
+            None => self
+                .solver
+                .solve_gptq(&config, w, out, inp, host_hessian()?)
+                .map_err(solve_err)?,
+        };
+        if self.options.compare_rtn {
+            report.baseline_output_error = rtn()?.proxy_error;
         }
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;

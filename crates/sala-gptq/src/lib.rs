@@ -37,6 +37,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod progress;
 pub mod report;
+pub mod resident;
 pub mod smoothing;
 mod stats;
 pub mod synthetic;
@@ -53,6 +54,7 @@ pub use plan::{
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{LayerReport, LinearReport, Report, StageTotals};
+pub use resident::ResidentSolver;
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};
 pub use synthetic::{Projection, SyntheticModel, SyntheticReport, SyntheticRun};

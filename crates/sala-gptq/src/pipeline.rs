@@ -10,6 +10,7 @@ use crate::options::QuantizeOptions;
 use crate::plan::{QuantPlan, Recipe, Treatment};
 use crate::progress::Progress;
 use crate::report::{peak_rss_bytes, Report};
+use crate::resident::ResidentSolver;
 use burn::tensor::backend::Backend;
 use sala_export::{CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, WriterOptions};
 use sala_hessian::solver::{CpuSolver, LinearSolver};
@@ -26,6 +27,7 @@ pub struct Pipeline<B: Backend> {
     solver: Box<dyn LinearSolver>,
     memory: Option<MemoryProbe<B>>,
     fast: Option<Arc<dyn FastOps<B>>>,
+    resident: Option<Arc<dyn ResidentSolver<B>>>,
 }
 
 impl<B: Backend> Pipeline<B> {
@@ -37,7 +39,15 @@ impl<B: Backend> Pipeline<B> {
             solver: Box::new(CpuSolver),
             memory: None,
             fast: None,
+            resident: None,
         }
+    }
+
+    /// Solves GPTQ on the device Hessians of device statistics with `resident` (only
+    /// weights, codes and figures cross the bus) instead of downloading them for the solver.
+    pub fn with_resident_solver(mut self, resident: Arc<dyn ResidentSolver<B>>) -> Self {
+        self.resident = Some(resident);
+        self
     }
 
     /// Runs the model's heaviest steps with `fast` (e.g. `CubeFastOps` on CUDA) instead of
@@ -120,7 +130,8 @@ impl<B: Backend> Pipeline<B> {
         };
         let mut engine =
             LayerEngine::new(&self.options, &plan, &runner, self.solver.as_ref(), samples)?
-                .with_memory_probe(self.memory);
+                .with_memory_probe(self.memory)
+                .with_resident_solver(self.resident.clone());
         let scratch = writer.staging_dir().to_path_buf();
         progress.start(config.num_layers(), samples.len());
         let mut hidden = engine.embed(&source, &scratch, progress)?;

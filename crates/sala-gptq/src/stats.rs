@@ -131,8 +131,9 @@ impl<B: Backend> InputStats<B> {
         }
     }
 
-    /// The normalized statistics on the host. `input` names the input in errors.
-    pub(crate) fn finalize(self, input: &str) -> Result<Finalized, PipelineError> {
+    /// The normalized statistics: device Hessians stay on the device, the rest is on the
+    /// host. `input` names the input in errors.
+    pub(crate) fn finalize(self, input: &str) -> Result<Finalized<B>, PipelineError> {
         let err = |source| PipelineError::Solve {
             linear: input.to_owned(),
             source,
@@ -145,9 +146,13 @@ impl<B: Backend> InputStats<B> {
                 if samples == 0 {
                     return Err(empty());
                 }
-                let dim = sum.dims()[0];
-                let values = finite_values(sum, input)?;
-                Finalized::Full(mirrored_lower(&values, dim, samples).map_err(err)?)
+                // One reduction decides in the common case; only a non-finite total (a bad
+                // value, or an overflow of the sum itself) downloads the matrix to look.
+                let total = to_f32(sum.clone()).sum().into_data().iter::<f32>().next();
+                if !total.is_some_and(f32::is_finite) {
+                    finite_values(sum.clone(), input)?;
+                }
+                Finalized::DeviceFull(sum.mul_scalar(1.0 / samples as f64))
             }
             InputStats::DeviceDiagonal {
                 square,
@@ -248,35 +253,35 @@ fn finite_values<B: Backend, const D: usize>(
 }
 
 /// The finalized statistics of one input, after smoothing transforms.
-pub(crate) enum Finalized {
-    /// Full Hessian (GPTQ).
+pub(crate) enum Finalized<B: Backend> {
+    /// Full Hessian on the host (GPTQ).
     Full(Hessian<f64>),
+    /// Full Hessian `[dim, dim]` f32 on the device, normalized (GPTQ with device statistics).
+    DeviceFull(Tensor<B, 2>),
     /// Channel statistics (NVFP4).
     Diagonal(ChannelStats),
 }
 
-impl Finalized {
+impl<B: Backend> Finalized<B> {
     /// Input channels.
     pub(crate) fn dim(&self) -> usize {
         match self {
             Finalized::Full(h) => h.dim(),
+            Finalized::DeviceFull(h) => h.dims()[0],
             Finalized::Diagonal(s) => s.mean_square.len(),
         }
     }
 
     /// Per-channel RMS (`sqrt(E[x²])`), the original scripts' smoothing activation.
     pub(crate) fn rms(&self) -> Vec<f32> {
+        let rms = |d: f64| d.max(0.0).sqrt() as f32;
         match self {
-            Finalized::Full(h) => h
-                .diagonal()
-                .iter()
-                .map(|&d| d.max(0.0).sqrt() as f32)
+            Finalized::Full(h) => h.diagonal().into_iter().map(rms).collect(),
+            Finalized::DeviceFull(h) => device_diagonal(h)
+                .into_iter()
+                .map(|d| rms(d as f64))
                 .collect(),
-            Finalized::Diagonal(s) => s
-                .mean_square
-                .iter()
-                .map(|&d| d.max(0.0).sqrt() as f32)
-                .collect(),
+            Finalized::Diagonal(s) => s.mean_square.iter().map(|&d| rms(d)).collect(),
         }
     }
 
@@ -296,6 +301,20 @@ impl Finalized {
                     source,
                 })?;
             }
+            Finalized::DeviceFull(h) => {
+                let n = h.dims()[0];
+                // The diagonal transform on ones checks the scales as the host transform does
+                // and gives 1/s² per channel; the device applies 1/s on both sides.
+                let mut inverse_squares = vec![1.0f64; n];
+                sala_smooth::transform_hessian_diag(&mut inverse_squares, scales)
+                    .map_err(smooth_err)?;
+                let inverse: Vec<f32> = scales.iter().map(|&s| 1.0 / s).collect();
+                let device = h.device();
+                let r =
+                    Tensor::<B, 1>::from_data(TensorData::new(inverse, [n]), (&device, DType::F32));
+                let scaled = h.clone() * r.clone().reshape([n, 1]) * r.reshape([1, n]);
+                *h = scaled;
+            }
             Finalized::Diagonal(s) => {
                 sala_smooth::transform_hessian_diag(&mut s.mean_square, scales)
                     .map_err(smooth_err)?;
@@ -306,6 +325,40 @@ impl Finalized {
         }
         Ok(())
     }
+
+    /// The full Hessian on the host in f64 (a device Hessian downloaded, its lower triangle
+    /// mirrored); `None` for channel statistics.
+    pub(crate) fn host_hessian(&self, input: &str) -> Result<Option<Hessian<f64>>, PipelineError> {
+        match self {
+            Finalized::Full(h) => Ok(Some(h.clone())),
+            Finalized::DeviceFull(h) => {
+                let dim = h.dims()[0];
+                let values = finite_values(h.clone(), input)?;
+                let hessian =
+                    mirrored_lower(&values, dim, 1).map_err(|source| PipelineError::Solve {
+                        linear: input.to_owned(),
+                        source,
+                    })?;
+                Ok(Some(hessian))
+            }
+            Finalized::Diagonal(_) => Ok(None),
+        }
+    }
+}
+
+/// The diagonal of a square device matrix, downloaded (`dim` values).
+fn device_diagonal<B: Backend>(h: &Tensor<B, 2>) -> Vec<f32> {
+    let n = h.dims()[0];
+    let device = h.device();
+    let index: Vec<i64> = (0..n as i64).map(|i| i * (n as i64 + 1)).collect();
+    let index = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(index, [n]), &device);
+    to_f32(h.clone())
+        .reshape([n * n])
+        .select(0, index)
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -317,7 +370,10 @@ mod tests {
         Tensor::from_data(TensorData::new(values, [tokens, dim]), &Default::default())
     }
 
-    fn finalize_both(kind: StatsKind, samples: &[Tensor<CpuBackend, 2>]) -> (Finalized, Finalized) {
+    fn finalize_both(
+        kind: StatsKind,
+        samples: &[Tensor<CpuBackend, 2>],
+    ) -> (Finalized<CpuBackend>, Finalized<CpuBackend>) {
         let dim = samples[0].dims()[1];
         let device = Default::default();
         let mut host = InputStats::<CpuBackend>::new(kind, dim, None).unwrap();
@@ -343,7 +399,8 @@ mod tests {
             sample((0..6).map(|k| k as f32 - 2.5).collect(), 2, 3),
         ];
         match finalize_both(StatsKind::Full, &samples) {
-            (Finalized::Full(h), Finalized::Full(d)) => {
+            (Finalized::Full(h), device @ Finalized::DeviceFull(_)) => {
+                let d = device.host_hessian("x").unwrap().unwrap();
                 assert_eq!(d.dim(), 3);
                 close(&h.to_row_major(), &d.to_row_major());
             }
@@ -384,9 +441,11 @@ mod tests {
                     one_by_one.finalize("x").unwrap(),
                     packed.finalize("x").unwrap(),
                 ) {
-                    (Finalized::Full(a), Finalized::Full(b)) => {
-                        close(&a.to_row_major(), &b.to_row_major())
-                    }
+                    (a @ Finalized::Full(_), b @ Finalized::Full(_))
+                    | (a @ Finalized::DeviceFull(_), b @ Finalized::DeviceFull(_)) => close(
+                        &a.host_hessian("x").unwrap().unwrap().to_row_major(),
+                        &b.host_hessian("x").unwrap().unwrap().to_row_major(),
+                    ),
                     (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
                         close(&a.mean_square, &b.mean_square);
                         close(&a.mean_abs, &b.mean_abs);
@@ -406,6 +465,34 @@ mod tests {
         let pack = sample(vec![1.0, 2.0, 3.0, f32::NAN, 5.0, 6.0], 3, 2);
         let (index, _) = host.add_pack(&pack, &[1, 2], None).unwrap_err();
         assert_eq!(index, Some(1));
+    }
+
+    /// The smoothing activation and the Hessian transform of a device Hessian equal the
+    /// host's; bad scales are refused alike.
+    #[test]
+    fn device_smoothing_transforms_match_the_host() {
+        let samples = [
+            sample((0..12).map(|k| (k as f32 * 0.7).sin()).collect(), 4, 3),
+            sample((0..6).map(|k| k as f32 - 2.5).collect(), 2, 3),
+        ];
+        let (mut host, mut device) = finalize_both(StatsKind::Full, &samples);
+        assert!(matches!(device, Finalized::DeviceFull(_)));
+        let as_f64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+        close(&as_f64(host.rms()), &as_f64(device.rms()));
+        let scales = [0.5, 2.0, 1.5];
+        host.rescale(&scales, "g").unwrap();
+        device.rescale(&scales, "g").unwrap();
+        close(
+            &host.host_hessian("x").unwrap().unwrap().to_row_major(),
+            &device.host_hessian("x").unwrap().unwrap().to_row_major(),
+        );
+        for f in [&mut host, &mut device] {
+            let err = f.rescale(&[1.0, 0.0, 1.0], "model.layers.3.input_layernorm");
+            assert!(err
+                .unwrap_err()
+                .to_string()
+                .contains("layers.3.input_layernorm"));
+        }
     }
 
     #[test]

@@ -211,6 +211,8 @@ pub struct SyntheticRun<'a, B: Backend> {
     pub memory: Option<MemoryProbe<B>>,
     /// Faster implementations of the model's heaviest steps on this backend, if any.
     pub fast: Option<std::sync::Arc<dyn sala_model::FastOps<B>>>,
+    /// GPTQ on device Hessians, if any (see [`crate::ResidentSolver`]).
+    pub resident: Option<std::sync::Arc<dyn crate::ResidentSolver<B>>>,
     /// Run the first `layers` decoder layers (at least 1, at most the model's).
     pub layers: usize,
     /// Tokens of the full calibration set the projection scales to.
@@ -243,7 +245,8 @@ impl<B: Backend> SyntheticRun<'_, B> {
             self.fast.clone(),
         );
         let mut engine = LayerEngine::new(self.options, &plan, &runner, self.solver, samples)?
-            .with_memory_probe(self.memory);
+            .with_memory_probe(self.memory)
+            .with_resident_solver(self.resident.clone());
         progress.start(self.layers, samples.len());
         let t = Instant::now();
         let mut hidden = engine.embed(self.model, self.scratch, progress)?;

@@ -1,19 +1,22 @@
 //! The synthetic run on the CPU with the tiny fixture's config: the same per-layer stages as the
 //! checkpoint pipeline, through the solver seam, on random weights.
 
+use burn::tensor::Tensor;
 use sala_gptq::hessian::{
     GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4SearchResult,
     QuantizedLinear,
 };
 use sala_gptq::model::SalaConfig;
 use sala_gptq::synthetic::random_samples;
+use sala_gptq::ResidentSolver;
 use sala_gptq::{
     CpuBackend, CpuSolver, HiddenLocation, LinearSolver, NoProgress, QuantizeOptions, Recipe,
     SyntheticModel, SyntheticReport, SyntheticRun,
 };
 use std::cell::RefCell;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The CPU backend's generator is process-wide: runs are serialized so that each one draws the
 /// same weights from its seed whatever the other tests do.
@@ -74,6 +77,14 @@ impl LinearSolver for Recording {
 }
 
 fn run(options: &QuantizeOptions, solver: &dyn LinearSolver) -> SyntheticReport {
+    run_with(options, solver, None)
+}
+
+fn run_with(
+    options: &QuantizeOptions,
+    solver: &dyn LinearSolver,
+    resident: Option<Arc<dyn ResidentSolver<CpuBackend>>>,
+) -> SyntheticReport {
     let _generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
     let model = SyntheticModel::<CpuBackend>::new(tiny_config(), 7, &Default::default());
     let scratch = tempfile::tempdir().unwrap();
@@ -84,6 +95,7 @@ fn run(options: &QuantizeOptions, solver: &dyn LinearSolver) -> SyntheticReport 
         solver,
         memory: None,
         fast: None,
+        resident,
         layers: 2,
         target_tokens: 1_830_000,
         scratch: scratch.path(),
@@ -172,6 +184,87 @@ fn device_statistics_match_the_host_accumulators() {
     }
     let (a, b) = (host.total_output_error(), device.total_output_error());
     assert!((a - b).abs() <= 0.02 * a, "total: {a} vs {b}");
+}
+
+/// The host solver behind the resident seam: the device tensor downloaded, counted.
+#[derive(Default)]
+struct DownloadingResident {
+    calls: AtomicUsize,
+}
+
+impl DownloadingResident {
+    fn host(h: &Tensor<CpuBackend, 2>) -> Hessian<f64> {
+        let n = h.dims()[0];
+        let values: Vec<f64> = h
+            .clone()
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .unwrap();
+        // The lower triangle mirrored, as the host finalization does.
+        let mirrored: Vec<f64> = (0..n * n)
+            .map(|k| {
+                let (i, j) = (k / n, k % n);
+                values[i.max(j) * n + i.min(j)]
+            })
+            .collect();
+        Hessian::from_row_major(n, &mirrored).unwrap()
+    }
+}
+
+impl ResidentSolver<CpuBackend> for DownloadingResident {
+    fn name(&self) -> &str {
+        "downloading"
+    }
+
+    fn solve_gptq(
+        &self,
+        config: &GptqConfig,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Tensor<CpuBackend, 2>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        CpuSolver.solve_gptq(config, weights, out, inp, &Self::host(h))
+    }
+
+    fn quantize_rtn(
+        &self,
+        grid: IntGrid,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Tensor<CpuBackend, 2>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        CpuSolver.quantize_rtn(grid, weights, out, inp, &Self::host(h))
+    }
+}
+
+/// With device statistics, every GPTQ solve goes to the resident solver with the device
+/// Hessian (smoothed on the device), and quantizes exactly as the downloaded Hessian does.
+#[test]
+fn device_hessians_reach_the_resident_solver() {
+    let mut options = QuantizeOptions::new(Recipe::Gptq);
+    options.device_statistics = true;
+    let downloaded = run(&options, &CpuSolver);
+    let resident = Arc::new(DownloadingResident::default());
+    let host_solver = Recording::default();
+    let report = run_with(&options, &host_solver, Some(resident.clone()));
+    assert_eq!(resident.calls.load(Ordering::SeqCst), report.linears.len());
+    assert!(
+        host_solver.gptq.borrow().is_empty(),
+        "no Hessian went to the host solver"
+    );
+    assert!(!report.linears.is_empty());
+    for (a, b) in downloaded.linears.iter().zip(&report.linears) {
+        assert_eq!(a.output_error, b.output_error, "{}", a.name);
+        assert_eq!(
+            a.baseline_output_error, b.baseline_output_error,
+            "{}",
+            a.name
+        );
+    }
 }
 
 /// Running the samples as one pack (the default) quantizes like running them one at a time:

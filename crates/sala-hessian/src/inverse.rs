@@ -80,7 +80,7 @@ impl Damping {
 
 /// One damping attempt factored elsewhere than faer on the host (a GPU's Cholesky), for
 /// [`CholeskyInverse::with_order_using`].
-pub trait UpperFactorizer {
+pub trait UpperFactorizer: Send + Sync {
     /// `U`, the upper Cholesky factor of `A⁻¹` (`Uᵀ·U = A⁻¹`, strict lower triangle zero), of
     /// the symmetric `a` `[n, n]` (row-major f32: already permuted, dead columns given their
     /// unit diagonal, damping added). `Ok(None)` when `a` is not positive definite: the caller

@@ -384,7 +384,7 @@ proptest! {
 /// Cholesky, and refuses its first `refuse` calls (a "not positive definite" device answer).
 struct TextbookFactorizer {
     refuse: usize,
-    calls: std::cell::Cell<usize>,
+    calls: std::sync::atomic::AtomicUsize,
 }
 
 impl UpperFactorizer for TextbookFactorizer {
@@ -393,8 +393,8 @@ impl UpperFactorizer for TextbookFactorizer {
         a: &[f32],
         n: usize,
     ) -> Result<Option<sala_hessian::faer::Mat<f32>>, HessianError> {
-        self.calls.set(self.calls.get() + 1);
-        if self.calls.get() <= self.refuse {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if call <= self.refuse {
             return Ok(None);
         }
         let a: Vec<f64> = a.iter().map(|&v| v as f64).collect();
@@ -433,7 +433,7 @@ fn a_pluggable_factorizer_gives_the_same_inverse_and_retries_like_the_host() {
         calls: Default::default(),
     };
     let other = CholeskyInverse::with_order_using(&h, &order, &damping, Some(&refusing)).unwrap();
-    assert_eq!(refusing.calls.get(), 3);
+    assert_eq!(refusing.calls.load(std::sync::atomic::Ordering::SeqCst), 3);
     assert_eq!(other.retries(), 2);
     assert!((other.percdamp() - damping.percdamp * damping.growth.powi(2)).abs() < 1e-15);
     let accepting = TextbookFactorizer {
@@ -463,6 +463,12 @@ fn a_pluggable_factorizer_gives_the_same_inverse_and_retries_like_the_host() {
         .unwrap()
         .solve_with_loop(&w, out, inp, &h, &column_loop)
         .unwrap();
-    assert_eq!(column_loop.0.calls.get(), 2);
+    assert_eq!(
+        column_loop
+            .0
+            .calls
+            .load(std::sync::atomic::Ordering::SeqCst),
+        2
+    );
     assert_eq!(solved.damping_retries, 1);
 }

@@ -105,7 +105,7 @@ pub fn equal_runs(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
 }
 
 #[cfg(feature = "cuda")]
-pub use cube::CudaFastOps;
+pub use cube::{f32_matrix_view, CudaFastOps};
 
 /// [`FastOps`] on burn-cuda: the kernels of `sala-kernels` on the tensors' own buffers.
 #[cfg(feature = "cuda")]
@@ -155,6 +155,28 @@ mod cube {
         x: Tensor<CubeBackend<R, F, I, BT>, D>,
     ) -> CubeTensor<R> {
         into_contiguous(x.into_primitive().tensor())
+    }
+
+    /// The f32 matrix `t` `[rows, cols]` as a `sala-kernels` window on its own buffer (made
+    /// contiguous first if it is not): how a statistics tensor reaches the device solver.
+    pub fn f32_matrix_view<F: FloatElement, I: IntElement, BT: BoolElement>(
+        t: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+    ) -> Result<MatrixView> {
+        let [rows, cols] = t.dims();
+        let t = primitive(t.clone());
+        if t.dtype != DType::F32 {
+            return Err(ModelError::InvalidInput(format!(
+                "a {:?} matrix where f32 is expected",
+                t.dtype
+            )));
+        }
+        Ok(MatrixView {
+            handle: t.handle.clone(),
+            offset: 0,
+            rows,
+            cols,
+            row_stride: cols,
+        })
     }
 
     fn kernel_error(op: &'static str) -> impl Fn(sala_kernels::KernelError) -> ModelError {

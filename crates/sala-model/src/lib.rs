@@ -39,7 +39,7 @@ pub use device::DeviceMemory;
 pub use device::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
-pub use fast::CudaFastOps;
+pub use fast::{f32_matrix_view, CudaFastOps};
 pub use fast::{gram_reference, sequence_offsets, FastOps};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{round_to_bf16, to_f32, Numerics};

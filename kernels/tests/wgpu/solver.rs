@@ -13,8 +13,6 @@ use sala_hessian::{
 };
 use sala_kernels::cubecl::prelude::ComputeClient;
 use sala_kernels::{CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, MatrixView};
-use std::cell::Cell;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -118,11 +116,11 @@ fn device_gptq_matches_the_host_solver() {
 
 /// The textbook inverse in f64 on the host, counting its calls: stands in for cuSOLVER
 /// (which needs CUDA) behind `DeviceSolver::with_factorizer`.
-struct CountingFactorizer(Rc<Cell<usize>>);
+struct CountingFactorizer(Arc<AtomicUsize>);
 
 impl UpperFactorizer for CountingFactorizer {
     fn upper_factor(&self, a: &[f32], n: usize) -> Result<Option<Mat<f32>>, HessianError> {
-        self.0.set(self.0.get() + 1);
+        self.0.fetch_add(1, Ordering::SeqCst);
         let a: Vec<f64> = a.iter().map(|&v| v as f64).collect();
         let u = inverse_upper_textbook(&Hessian::from_row_major(n, &a)?, 0.0)?;
         Ok(Some(Mat::from_fn(n, n, |i, j| u[(i, j)] as f32)))
@@ -131,7 +129,7 @@ impl UpperFactorizer for CountingFactorizer {
 
 #[test]
 fn the_damped_inverse_comes_from_the_given_factorizer() {
-    let calls = Rc::new(Cell::new(0));
+    let calls = Arc::new(AtomicUsize::new(0));
     let device = solver().with_factorizer(Box::new(CountingFactorizer(calls.clone())));
     let (out, inp) = (24, 128);
     let mut rng = Rng::new(23);
@@ -145,7 +143,7 @@ fn the_damped_inverse_comes_from_the_given_factorizer() {
         .solve_gptq(&config, &weights, out, inp, &h)
         .unwrap();
     let gpu = device.solve_gptq(&config, &weights, out, inp, &h).unwrap();
-    assert_eq!(calls.get(), 1);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(
         (gpu.damping_retries, gpu.g_idx.clone()),
         (0, cpu.g_idx.clone())
