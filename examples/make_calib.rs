@@ -45,6 +45,15 @@ struct Args {
     /// Output file (default: fixtures/calib/calib.jsonl).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Instead of the bundled mix, write this many long `text` records (a load test of the
+    /// full-size model, e.g. 96): windows of the King James chapters at evenly spaced offsets,
+    /// wrapping around (they overlap when the text is shorter than their total). Needs --out.
+    #[arg(long, requires = "out")]
+    windows: Option<usize>,
+    /// Characters per window (about 3.5 per token with the fixtures' BPE: 16000 gives more
+    /// than 4096 tokens).
+    #[arg(long, default_value_t = 16_000, requires = "windows")]
+    window_chars: usize,
 }
 
 fn main() -> Result<(), AnyError> {
@@ -64,6 +73,11 @@ fn main() -> Result<(), AnyError> {
             short.len()
         )
         .into());
+    }
+
+    if let Some(count) = args.windows {
+        let records = windows(&chapters, count, args.window_chars)?;
+        return finish(&out, &records);
     }
 
     let mut rng = SplitMix(SEED);
@@ -93,9 +107,13 @@ fn main() -> Result<(), AnyError> {
             .map(|&n| common_words(&headwords, n, &mut rng)),
     );
     rng.shuffle(&mut records);
+    finish(&out, &records)
+}
 
-    write_atomically(&out, &records)?;
-    let bytes = std::fs::metadata(&out)?.len();
+/// Writes `records` to `out` and says so.
+fn finish(out: &Path, records: &[Value]) -> Result<(), AnyError> {
+    write_atomically(out, records)?;
+    let bytes = std::fs::metadata(out)?.len();
     println!(
         "wrote {} ({} records, {} bytes)",
         out.display(),
@@ -103,6 +121,30 @@ fn main() -> Result<(), AnyError> {
         bytes
     );
     Ok(())
+}
+
+/// `count` `text` records of `chars` characters each, cut from the chapters' text laid end to
+/// end at evenly spaced offsets (wrapping around), on character boundaries.
+fn windows(chapters: &[Chapter], count: usize, chars: usize) -> Result<Vec<Value>, AnyError> {
+    if count == 0 || chars == 0 {
+        return Err(
+            format!("--windows {count} --window-chars {chars}: both must be positive").into(),
+        );
+    }
+    let text: Vec<char> = chapters
+        .iter()
+        .map(|c| format!("{}\n\n", c.text()))
+        .collect::<String>()
+        .chars()
+        .collect();
+    let len = text.len();
+    let stride = len / count;
+    Ok((0..count)
+        .map(|i| {
+            let window: String = (0..chars).map(|k| text[(i * stride + k) % len]).collect();
+            json!({"_source": "kjv-window", "text": window})
+        })
+        .collect())
 }
 
 fn read(path: &Path) -> Result<String, AnyError> {
