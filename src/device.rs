@@ -194,14 +194,19 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
 fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
     use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     use sala_kernels::cubecl::Runtime;
-    use sala_kernels::cuda::{Cublas, CublasGemm, Cusolver, CusolverFactorizer, Fp32Math};
+    use sala_kernels::cuda::{
+        Cublas, CublasGemm, Cusolver, CusolverFactorizer, DriverUploader, Fp32Math,
+    };
     use sala_kernels::DeviceSolver;
     let client = CudaRuntime::client(&CudaDevice::default());
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
     let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
     let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
-    Ok(DeviceSolver::new(client, gemm, "cuda").with_device_factorizer(factorizer))
+    let uploader = DriverUploader::new(0).map_err(|e| format!("the GPU solver's uploads: {e}"))?;
+    Ok(DeviceSolver::new(client, gemm, "cuda")
+        .with_device_factorizer(factorizer)
+        .with_uploader(Arc::new(uploader)))
 }
 
 #[cfg(not(feature = "cuda"))]

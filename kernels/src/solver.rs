@@ -45,6 +45,34 @@ pub trait DeviceFactorizer<R: Runtime>: Send + Sync {
     ) -> Result<Option<MatrixView>, KernelError>;
 }
 
+/// How host matrices reach the device: [`MatrixView::upload`] (CubeCL's path) by default, a
+/// faster one where the runtime has it (the driver's copy on CUDA).
+pub trait Uploader<R: Runtime>: Send + Sync {
+    /// A new dense `[rows, cols]` matrix holding the row-major `data`.
+    fn upload(
+        &self,
+        client: &ComputeClient<R>,
+        data: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatrixView, KernelError>;
+}
+
+/// CubeCL's own upload.
+struct CubeUpload;
+
+impl<R: Runtime> Uploader<R> for CubeUpload {
+    fn upload(
+        &self,
+        client: &ComputeClient<R>,
+        data: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatrixView, KernelError> {
+        MatrixView::upload(client, data, rows, cols)
+    }
+}
+
 /// A [`DeviceFactorizer`] as an [`UpperFactorizer`] for host Hessians: uploads `a`, downloads
 /// `U`.
 struct Uploading<R: Runtime> {
@@ -73,6 +101,7 @@ pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     name: String,
     factorizer: Option<Box<dyn UpperFactorizer>>,
     device_factorizer: Option<Arc<dyn DeviceFactorizer<R>>>,
+    uploader: Arc<dyn Uploader<R>>,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -84,7 +113,18 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             name: name.into(),
             factorizer: None,
             device_factorizer: None,
+            uploader: Arc::new(CubeUpload),
         }
+    }
+
+    /// Uploads weights and the proxy error's differences with `uploader`.
+    pub fn with_uploader(mut self, uploader: Arc<dyn Uploader<R>>) -> Self {
+        self.uploader = uploader;
+        self
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<MatrixView, KernelError> {
+        self.uploader.upload(&self.client, data, rows, cols)
     }
 
     /// Factors GPTQ's damped Hessians with the host-side `factorizer` instead of faer (for
@@ -164,7 +204,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             };
         };
         let (_, w_loop) = prepared.loop_weights(weights, inp);
-        let w_view = MatrixView::upload(client, &w_loop, out, inp)?;
+        let w_view = self.upload(&w_loop, out, inp)?;
         let loop_config = loop_config(gptq.quantizer(), prepared.group_size, config.block_size);
         let sol = self.solve_columns(&w_view, &upper, &loop_config)?;
         drop(upper);
@@ -231,12 +271,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             None => FaerFactorizer.upper_factor(&host, n)?,
         };
         Ok(match upper {
-            Some(u) => Some(MatrixView::upload(
-                &self.client,
-                &square_to_row_major(u.as_ref()),
-                n,
-                n,
-            )?),
+            Some(u) => Some(self.upload(&square_to_row_major(u.as_ref()), n, n)?),
             None => None,
         })
     }
@@ -256,7 +291,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             .zip(dequantized)
             .map(|(&w, &q)| w - q)
             .collect();
-        let d = MatrixView::upload(&self.client, &delta, out, inp)?;
+        let d = self.upload(&delta, out, inp)?;
         let dh = MatrixView::zeros(&self.client, out, inp)?;
         self.gemm
             .gemm(&self.client, 1.0, &d, false, h, false, 0.0, &dh)?;
@@ -317,7 +352,7 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         global_scale: f32,
     ) -> Result<Nvfp4SearchResult, HessianError> {
         let run = || -> Result<Nvfp4SearchResult, KernelError> {
-            let view = MatrixView::upload(&self.client, weights, rows, cols)?;
+            let view = self.upload(weights, rows, cols)?;
             nvfp4_block_search(&self.client, &view, diag_h, global_scale, search)?
                 .download(&self.client)
         };
@@ -336,9 +371,8 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
         }
         let (out, inp) = (problem.out, problem.inp);
         let run = || -> Result<ColumnSolution, KernelError> {
-            let w_view = MatrixView::upload(&self.client, w, out, inp)?;
-            let u_view =
-                MatrixView::upload(&self.client, &square_to_row_major(problem.upper), inp, inp)?;
+            let w_view = self.upload(w, out, inp)?;
+            let u_view = self.upload(&square_to_row_major(problem.upper), inp, inp)?;
             let config = loop_config(problem.quantizer, problem.group_size, problem.block_size);
             self.solve_columns(&w_view, &u_view, &config)
         };

@@ -182,12 +182,36 @@ impl TensorStore {
         Ok(&shard.mmap[start..end])
     }
 
-    /// Tensor `name` converted to f32 (from BF16, F16 or F32).
+    /// Tensor `name` converted to f32 (from BF16, F16 or F32). The mapped pages it was read
+    /// from are released afterwards ([`TensorStore::release`]).
     pub fn to_f32(&self, name: &str) -> Result<HostTensor> {
         let e = self.entry(name)?;
         let data = decode_f32(self.raw_bytes(name)?, e.dtype)
             .ok_or_else(|| self.unsupported_dtype(name, e))?;
+        self.release(name);
         Ok(HostTensor::new(e.shape.clone(), data))
+    }
+
+    /// Drops the resident pages of tensor `name`'s bytes from this process (a later read maps
+    /// them in again from the page cache or the file): a layer-by-layer pass over a 19 GB
+    /// checkpoint would otherwise keep every layer it read in its resident set. Best effort:
+    /// an unknown name or a refusal of the kernel changes nothing.
+    pub fn release(&self, name: &str) {
+        #[cfg(unix)]
+        if let Ok(e) = self.entry(name) {
+            let shard = &self.shards[e.shard];
+            let start = shard.data_start + e.range.0;
+            // SAFETY: the mapping is read-only and backed by a file nobody may change while the
+            // store reads it (as `open` requires): after MADV_DONTNEED a read maps the very same
+            // bytes in again, so slices borrowed from the map keep their values.
+            let _ = unsafe {
+                shard.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    e.range.1 - e.range.0,
+                )
+            };
+        }
     }
 
     /// Rows `ids` of the 2-D tensor `name`, as f32 `[ids.len(), cols]`; reads only those rows

@@ -180,3 +180,23 @@ fn missing_directory_and_bad_token_ids_are_errors() {
         .unwrap_err();
     assert!(err.to_string().contains("token id 5000"), "{err}");
 }
+
+/// Releasing a tensor's pages (done after every `to_f32`) changes nothing that is read later.
+#[test]
+fn released_tensors_read_the_same() {
+    let store = TensorStore::open(&tiny_sala()).unwrap();
+    let names: Vec<String> = store.names().map(str::to_owned).collect();
+    let before: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| store.raw_bytes(n).unwrap().to_vec())
+        .collect();
+    for n in &names {
+        let first = store.to_f32(n).unwrap();
+        store.release(n);
+        assert_eq!(store.to_f32(n).unwrap().data, first.data, "{n}");
+    }
+    store.release("no.such.tensor");
+    for (n, bytes) in names.iter().zip(&before) {
+        assert_eq!(store.raw_bytes(n).unwrap(), &bytes[..], "{n}");
+    }
+}
