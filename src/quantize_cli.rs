@@ -382,14 +382,18 @@ fn options_from(
     Ok(options)
 }
 
-/// indicatif bars: one for layers, one for the current stage's samples or linears.
+/// indicatif bars: one for layers, one for the current stage's samples or linears. When
+/// standard error is not a terminal (a log), one plain line per finished layer instead.
 struct Bars {
     bars: Option<(MultiProgress, ProgressBar, ProgressBar)>,
+    lines: bool,
 }
 
 impl Bars {
     fn new(quiet: bool) -> Self {
-        let bars = (!quiet).then(|| {
+        use std::io::IsTerminal;
+        let interactive = std::io::stderr().is_terminal();
+        let bars = (!quiet && interactive).then(|| {
             let multi = MultiProgress::new();
             let style = ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} {msg}")
                 .expect("static template")
@@ -402,7 +406,10 @@ impl Bars {
             let steps = multi.add(ProgressBar::new(0).with_style(style));
             (multi, layers, steps)
         });
-        Self { bars }
+        Self {
+            bars,
+            lines: !quiet && !interactive,
+        }
     }
 }
 
@@ -435,7 +442,7 @@ impl Progress for Bars {
         }
     }
     fn layer_done(&mut self, report: &LayerReport) {
-        if self.bars.is_some() {
+        if self.bars.is_some() || self.lines {
             self.message(&report.to_string());
         }
     }
