@@ -607,7 +607,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         // The options are checked here whatever the solver (and even under --rtn).
         Gptq::new(config).map_err(solve_err)?;
         // A device Hessian comes to the host only for a solver that needs it there.
-        let host = std::cell::OnceCell::<Hessian<f64>>::new();
+        let host = std::cell::OnceCell::<std::borrow::Cow<'_, Hessian<f64>>>::new();
         let host_hessian = || -> Result<&Hessian<f64>, PipelineError> {
             if let Some(hessian) = host.get() {
                 return Ok(hessian);

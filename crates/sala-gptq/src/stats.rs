@@ -10,6 +10,7 @@ use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
 use sala_model::{gram_reference, to_f32, FastOps};
+use std::borrow::Cow;
 
 /// Which statistics a recipe needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -328,9 +329,13 @@ impl<B: Backend> Finalized<B> {
 
     /// The full Hessian on the host in f64 (a device Hessian downloaded, its lower triangle
     /// mirrored); `None` for channel statistics.
-    pub(crate) fn host_hessian(&self, input: &str) -> Result<Option<Hessian<f64>>, PipelineError> {
+    pub(crate) fn host_hessian(
+        &self,
+        input: &str,
+    ) -> Result<Option<Cow<'_, Hessian<f64>>>, PipelineError> {
         match self {
-            Finalized::Full(h) => Ok(Some(h.clone())),
+            // Borrowed: a host Hessian is up to 2 GB (16384² f64), read by several linears.
+            Finalized::Full(h) => Ok(Some(Cow::Borrowed(h))),
             Finalized::DeviceFull(h) => {
                 let dim = h.dims()[0];
                 let values = finite_values(h.clone(), input)?;
@@ -339,7 +344,7 @@ impl<B: Backend> Finalized<B> {
                         linear: input.to_owned(),
                         source,
                     })?;
-                Ok(Some(hessian))
+                Ok(Some(Cow::Owned(hessian)))
             }
             Finalized::Diagonal(_) => Ok(None),
         }
