@@ -12,6 +12,7 @@
 use crate::int::{IntQuantizer, QuantParams};
 use crate::shape::{check_divisible, check_len, check_matrix};
 use crate::FormatError;
+use rayon::prelude::*;
 
 /// How `qzeros` stores the zero point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -58,7 +59,13 @@ pub fn pack_qweight(
     check_matrix("codes", codes.len(), out, inp)?;
     check_divisible("in features", inp, per)?;
     let mut q = vec![0i32; inp / per * out];
-    pack_qweight_rows_into(codes, out, inp, bits, 0, &mut q)?;
+    // Word rows are independent: a few per task keeps the tasks large enough to pay.
+    const WORD_ROWS_PER_TASK: usize = 8;
+    q.par_chunks_mut(WORD_ROWS_PER_TASK * out.max(1))
+        .enumerate()
+        .try_for_each(|(task, dst)| {
+            pack_qweight_rows_into(codes, out, inp, bits, task * WORD_ROWS_PER_TASK, dst)
+        })?;
     Ok(q)
 }
 

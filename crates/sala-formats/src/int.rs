@@ -5,6 +5,7 @@
 //! matches it bit for bit). Two symmetric grids are selectable, both with `zero = 2^(bits−1)`.
 
 use crate::FormatError;
+use rayon::prelude::*;
 
 /// How a group's scale and zero point are derived from its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -221,30 +222,35 @@ pub fn quantize_groupwise(
     }
     crate::shape::check_finite(weights, cols)?;
     let groups = cols.div_ceil(group_size);
-    let mut params = Vec::with_capacity(groups * rows);
-    for g in 0..groups {
-        let (c0, c1) = (g * group_size, ((g + 1) * group_size).min(cols));
-        params.extend(
-            (0..rows).map(|r| quantizer.params_for(&weights[r * cols + c0..r * cols + c1])),
-        );
-    }
+    // Rows are independent: parameters and codes row by row in parallel, the parameters
+    // then transposed to `[groups, rows]`.
     let mut codes = vec![0u8; rows * cols];
-    for (r, (row, out)) in weights
-        .chunks_exact(cols)
-        .zip(codes.chunks_exact_mut(cols))
-        .enumerate()
-    {
-        for (g, (wg, cg)) in row
-            .chunks(group_size)
-            .zip(out.chunks_mut(group_size))
-            .enumerate()
-        {
-            let p = params[g * rows + r];
-            for (c, &w) in cg.iter_mut().zip(wg) {
-                *c = quantizer.quantize(w, p);
+    let mut row_params = vec![
+        QuantParams {
+            scale: 1.0,
+            zero: 0
+        };
+        rows * groups
+    ];
+    weights
+        .par_chunks_exact(cols.max(1))
+        .zip(codes.par_chunks_exact_mut(cols.max(1)))
+        .zip(row_params.par_chunks_exact_mut(groups.max(1)))
+        .for_each(|((row, out), params)| {
+            for ((wg, cg), p) in row
+                .chunks(group_size)
+                .zip(out.chunks_mut(group_size))
+                .zip(params.iter_mut())
+            {
+                *p = quantizer.params_for(wg);
+                for (c, &w) in cg.iter_mut().zip(wg) {
+                    *c = quantizer.quantize(w, *p);
+                }
             }
-        }
-    }
+        });
+    let params = (0..groups * rows)
+        .map(|k| row_params[(k % rows) * groups + k / rows])
+        .collect();
     Ok(IntGroupQuantized {
         rows,
         cols,

@@ -1,6 +1,7 @@
 //! The one error type of the crate: bad shapes, non-finite inputs, invalid options and a
 //! Hessian that no amount of damping makes positive definite.
 
+use rayon::prelude::*;
 use sala_formats::FormatError;
 use thiserror::Error;
 
@@ -104,12 +105,25 @@ pub(crate) fn check_matrix(
 }
 
 /// Returns an error naming the first non-finite element of a row-major matrix.
-pub(crate) fn check_finite<T: Copy + Into<f64>>(
+pub(crate) fn check_finite<T: Copy + Into<f64> + Sync>(
     what: &'static str,
     values: &[T],
     cols: usize,
 ) -> Result<(), HessianError> {
-    match values.iter().position(|&v| !v.into().is_finite()) {
+    // In parallel over chunks (weights reach 67M values; rayon's per-item search would check
+    // a shared atomic for every value); the first bad chunk holds the first offender.
+    const CHUNK: usize = 1 << 16;
+    let first = values
+        .par_chunks(CHUNK)
+        .position_first(|c| c.iter().any(|&v| !v.into().is_finite()))
+        .and_then(|k| {
+            let start = k * CHUNK;
+            values[start..]
+                .iter()
+                .position(|&v| !v.into().is_finite())
+                .map(|i| start + i)
+        });
+    match first {
         None => Ok(()),
         Some(i) => Err(HessianError::NonFinite {
             what,

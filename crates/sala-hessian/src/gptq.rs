@@ -6,6 +6,7 @@
 //! columns, `W[:, end:] -= Err · U[blk, end:]`, is one faer GEMM per block.
 
 use faer::linalg::matmul::matmul;
+use std::borrow::Cow;
 use std::ops::Range;
 
 use faer::{Accum, MatMut, MatRef, Par};
@@ -410,7 +411,8 @@ impl Gptq {
                 }
                 Err(e) => return Err(e),
             };
-        let (w0, mut w_loop) = prepared.loop_weights(weights, inp);
+        let w0 = prepared.dead_zeroed(weights, inp);
+        let mut w_loop = prepared.in_loop_order(&w0, inp).into_owned();
         let static_params = self.static_params(&prepared, &w0, out, inp);
         let static_group_of = prepared.static_group_of();
         let problem = ColumnProblem {
@@ -520,7 +522,11 @@ impl Gptq {
         for (c, &j) in perm.iter().enumerate() {
             column_loss[j] = sol.column_loss[c];
         }
-        let codes = unpermute_columns(&sol.codes, inp, perm);
+        let codes = if prepared.is_natural_order() {
+            sol.codes
+        } else {
+            unpermute_columns(&sol.codes, inp, perm)
+        };
         let dequantized = dequantize(&codes, &params, &g_idx, out);
         let proxy = if self.config.proxy_error {
             Some(proxy(&dequantized)?)
@@ -587,17 +593,44 @@ pub struct GptqPreparation {
 }
 
 impl GptqPreparation {
-    /// The weights with dead columns zeroed (original order) and the same in loop order,
-    /// both row-major `[out, inp]`.
-    pub fn loop_weights(&self, weights: &[f32], inp: usize) -> (Vec<f32>, Vec<f32>) {
+    /// The weights with dead columns zeroed, original order, row-major `[out, inp]`
+    /// (borrowed when no column is dead).
+    pub fn dead_zeroed<'a>(&self, weights: &'a [f32], inp: usize) -> Cow<'a, [f32]> {
+        if !self.dead.contains(&true) {
+            return Cow::Borrowed(weights);
+        }
         let mut w0 = weights.to_vec();
-        for row in w0.chunks_exact_mut(inp.max(1)) {
+        w0.par_chunks_exact_mut(inp.max(1)).for_each(|row| {
             for (v, _) in row.iter_mut().zip(&self.dead).filter(|(_, &d)| d) {
                 *v = 0.0;
             }
+        });
+        Cow::Owned(w0)
+    }
+
+    /// `w` `[out, inp]` with its columns in loop order (borrowed when the order is the
+    /// natural one: no act-order).
+    pub fn in_loop_order<'a>(&self, w: &'a [f32], inp: usize) -> Cow<'a, [f32]> {
+        if self.is_natural_order() {
+            Cow::Borrowed(w)
+        } else {
+            Cow::Owned(permute_columns(w, inp, &self.order))
         }
-        let w_loop = permute_columns(&w0, inp, &self.order);
-        (w0, w_loop)
+    }
+
+    /// The weights as the column loop starts from them: dead columns zeroed, loop order
+    /// (borrowed when neither changes anything: no copy of a 268 MB weight for nothing).
+    pub fn loop_weights<'a>(&self, weights: &'a [f32], inp: usize) -> Cow<'a, [f32]> {
+        match self.dead_zeroed(weights, inp) {
+            Cow::Borrowed(w) => self.in_loop_order(w, inp),
+            Cow::Owned(w) if self.is_natural_order() => Cow::Owned(w),
+            Cow::Owned(w) => Cow::Owned(permute_columns(&w, inp, &self.order)),
+        }
+    }
+
+    /// Whether loop position `c` is column `c` for every `c`.
+    pub fn is_natural_order(&self) -> bool {
+        self.order.iter().enumerate().all(|(c, &j)| c == j)
     }
 
     /// The static group of each loop position (the group of its original column).

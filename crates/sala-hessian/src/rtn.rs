@@ -1,6 +1,7 @@
 //! Round-to-nearest group-wise quantization with the same outputs as GPTQ: the baseline GPTQ
 //! is compared against and its fallback.
 
+use rayon::prelude::*;
 use sala_formats::{quantize_groupwise, IntQuantizer};
 
 use crate::error::HessianError;
@@ -44,13 +45,7 @@ impl Rtn {
         let q = quantize_groupwise(weights, out, inp, gs, self.quantizer)?;
         let g_idx: Vec<i32> = (0..inp).map(|j| (j / gs) as i32).collect();
         let dequantized = dequantize(&q.codes, &q.params, &g_idx, out);
-        let mut column_loss = vec![0.0f64; inp];
-        for (w_row, q_row) in weights.chunks_exact(inp).zip(dequantized.chunks_exact(inp)) {
-            for ((acc, &w), &v) in column_loss.iter_mut().zip(w_row).zip(q_row) {
-                let d = (w - v) as f64;
-                *acc += d * d / 2.0;
-            }
-        }
+        let column_loss = half_squared_column_errors(weights, &dequantized, inp);
         Ok(QuantizedLinear {
             out_features: out,
             in_features: inp,
@@ -68,4 +63,35 @@ impl Rtn {
             percdamp: 0.0,
         })
     }
+}
+
+/// Rows of `W − Q` per task in [`half_squared_column_errors`].
+const LOSS_ROWS_PER_TASK: usize = 64;
+
+/// `½ Σ_rows (w − q)²` of each column of `[out, inp]`, rows in parallel: fixed chunks of
+/// rows whose partial sums are added in chunk order, so the result does not depend on the
+/// thread count.
+fn half_squared_column_errors(weights: &[f32], dequantized: &[f32], inp: usize) -> Vec<f64> {
+    let chunk = LOSS_ROWS_PER_TASK * inp.max(1);
+    let partials: Vec<Vec<f64>> = weights
+        .par_chunks(chunk)
+        .zip(dequantized.par_chunks(chunk))
+        .map(|(w_rows, q_rows)| {
+            let mut acc = vec![0.0f64; inp];
+            for (w_row, q_row) in w_rows.chunks_exact(inp).zip(q_rows.chunks_exact(inp)) {
+                for ((a, &w), &v) in acc.iter_mut().zip(w_row).zip(q_row) {
+                    let d = (w - v) as f64;
+                    *a += d * d / 2.0;
+                }
+            }
+            acc
+        })
+        .collect();
+    let mut total = vec![0.0f64; inp];
+    for partial in partials {
+        for (t, p) in total.iter_mut().zip(partial) {
+            *t += p;
+        }
+    }
+    total
 }

@@ -6,6 +6,8 @@
 
 use std::ops::{Div, MulAssign};
 
+use rayon::prelude::*;
+
 use crate::error::{Result, SmoothError};
 use crate::matrix::{check_channels, WeightMatrix};
 use crate::scales::check_positive;
@@ -26,11 +28,11 @@ pub fn fold_into_norm(name: &str, weight: &mut [f32], scales: &[f32]) -> Result<
 pub fn fold_into_input_columns(weight: &mut WeightMatrix<'_>, scales: &[f32]) -> Result<()> {
     check_channels(weight.name(), scales.len(), weight.cols())?;
     check_positive("scales", scales)?;
-    for row in weight.rows_iter_mut() {
+    weight.rows_par_iter_mut().for_each(|row| {
         for (w, &s) in row.iter_mut().zip(scales) {
             *w *= s;
         }
-    }
+    });
     Ok(())
 }
 
@@ -43,11 +45,14 @@ pub fn fold_into_input_columns(weight: &mut WeightMatrix<'_>, scales: &[f32]) ->
 pub fn fold_into_output_rows(weight: &mut WeightMatrix<'_>, scales: &[f32]) -> Result<()> {
     check_channels(weight.name(), scales.len(), weight.rows())?;
     check_positive("scales", scales)?;
-    for (row, &s) in weight.rows_iter_mut().zip(scales) {
-        for w in row {
-            *w /= s;
-        }
-    }
+    weight
+        .rows_par_iter_mut()
+        .zip(scales)
+        .for_each(|(row, &s)| {
+            for w in row {
+                *w /= s;
+            }
+        });
     Ok(())
 }
 

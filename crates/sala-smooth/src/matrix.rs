@@ -1,6 +1,7 @@
 //! A named, shape-checked view of a linear layer's weight.
 
 use crate::error::{Result, SmoothError};
+use rayon::prelude::*;
 
 /// A mutable view of one linear layer's weight, row-major `[out, in]` (`rows = out` features,
 /// `cols = in` features), as PyTorch and safetensors store `nn.Linear.weight`.
@@ -62,14 +63,14 @@ impl<'a> WeightMatrix<'a> {
         self.data
     }
 
-    /// Iterates over the rows (each `cols` long).
-    pub(crate) fn rows_iter(&self) -> std::slice::ChunksExact<'_, f32> {
-        self.data.chunks_exact(self.cols.max(1))
+    /// The rows (each `cols` long) for rayon: full-size weights hold up to 67M values.
+    pub(crate) fn rows_par_iter(&self) -> rayon::slice::ChunksExact<'_, f32> {
+        self.data.par_chunks_exact(self.cols.max(1))
     }
 
-    /// Iterates mutably over the rows (each `cols` long).
-    pub(crate) fn rows_iter_mut(&mut self) -> std::slice::ChunksExactMut<'_, f32> {
-        self.data.chunks_exact_mut(self.cols.max(1))
+    /// The rows, mutably, for rayon.
+    pub(crate) fn rows_par_iter_mut(&mut self) -> rayon::slice::ChunksExactMut<'_, f32> {
+        self.data.par_chunks_exact_mut(self.cols.max(1))
     }
 }
 

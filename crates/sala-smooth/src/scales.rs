@@ -3,6 +3,7 @@
 use crate::error::{Result, SmoothError};
 use crate::matrix::{check_channels, WeightMatrix};
 use crate::stats::ActivationStat;
+use rayon::prelude::*;
 
 /// How the raw scales are normalised before the final clamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,10 +191,29 @@ pub fn weight_column_absmax(targets: &[WeightMatrix<'_>]) -> Result<Vec<f32>> {
     let mut wmax = vec![0.0f32; first.cols()];
     for target in targets {
         check_channels(target.name(), wmax.len(), target.cols())?;
-        for row in target.rows_iter() {
-            for (m, &w) in wmax.iter_mut().zip(row) {
-                *m = m.max(w.abs());
-            }
+        // Rows in parallel: a maximum does not depend on the order it is taken in.
+        let partial = target
+            .rows_par_iter()
+            .fold(
+                || vec![0.0f32; wmax.len()],
+                |mut acc, row| {
+                    for (m, &w) in acc.iter_mut().zip(row) {
+                        *m = m.max(w.abs());
+                    }
+                    acc
+                },
+            )
+            .reduce(
+                || vec![0.0f32; wmax.len()],
+                |mut a, b| {
+                    for (x, y) in a.iter_mut().zip(b) {
+                        *x = x.max(y);
+                    }
+                    a
+                },
+            );
+        for (m, p) in wmax.iter_mut().zip(partial) {
+            *m = m.max(p);
         }
     }
     check_magnitudes("weight magnitudes", &wmax)?;
