@@ -195,7 +195,7 @@ fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
     use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     use sala_kernels::cubecl::Runtime;
     use sala_kernels::cuda::{
-        Cublas, CublasGemm, Cusolver, CusolverFactorizer, DriverUploader, Fp32Math,
+        Cublas, CublasGemm, Cusolver, CusolverFactorizer, DriverTransfer, Fp32Math,
     };
     use sala_kernels::DeviceSolver;
     let client = CudaRuntime::client(&CudaDevice::default());
@@ -203,10 +203,10 @@ fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
     let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
     let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
-    let uploader = DriverUploader::new(0).map_err(|e| format!("the GPU solver's uploads: {e}"))?;
+    let uploader = DriverTransfer::new(0).map_err(|e| format!("the GPU solver's uploads: {e}"))?;
     Ok(DeviceSolver::new(client, gemm, "cuda")
         .with_device_factorizer(factorizer)
-        .with_uploader(Arc::new(uploader)))
+        .with_transfer(Arc::new(uploader)))
 }
 
 #[cfg(not(feature = "cuda"))]

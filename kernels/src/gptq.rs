@@ -121,7 +121,22 @@ impl DeviceGptqResult {
         &self,
         client: &ComputeClient<R>,
     ) -> Result<HostGptqResult, KernelError> {
-        let codes = self.codes.download(client)?;
+        self.download_with_codes(client, self.codes.download(client)?)
+    }
+
+    /// Reads the parameters back, with the codes already read by the caller (`[out, inp]`,
+    /// through a faster copy than CubeCL's: 268 MB of them for a 16384 × 4096 weight).
+    pub fn download_with_codes<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        codes: Vec<u32>,
+    ) -> Result<HostGptqResult, KernelError> {
+        if codes.len() != self.codes.len {
+            return Err(KernelError::shape(
+                "gptq codes",
+                format!("{} codes read for {}", codes.len(), self.codes.len),
+            ));
+        }
         let column_loss = self.column_loss.download(client)?;
         let scales = self.scales.download(client)?;
         let zeros = self.zeros.download(client)?;

@@ -44,7 +44,7 @@ pub use gemm::{CubeGemm, Gemm};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
-pub use solver::{DeviceFactorizer, DeviceSolver, Uploader};
+pub use solver::{DeviceFactorizer, DeviceSolver, Transfer};
 
 /// The CubeCL version these kernels are written against (pinned `=0.10.0`).
 pub use cubecl;

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 
 use cubecl::prelude::*;
+use rayon::prelude::*;
 use sala_formats::IntQuantizer;
 use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
@@ -27,7 +28,7 @@ use sala_hessian::{
 };
 
 use crate::block_search::nvfp4_block_search;
-use crate::device::MatrixView;
+use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::gemm::Gemm;
 use crate::gptq::{gptq_solve, DeviceGptqConfig, MAX_BLOCK};
@@ -45,9 +46,10 @@ pub trait DeviceFactorizer<R: Runtime>: Send + Sync {
     ) -> Result<Option<MatrixView>, KernelError>;
 }
 
-/// How host matrices reach the device: [`MatrixView::upload`] (CubeCL's path) by default, a
-/// faster one where the runtime has it (the driver's copy on CUDA).
-pub trait Uploader<R: Runtime>: Send + Sync {
+/// How host matrices reach the device and codes come back: CubeCL's own copies
+/// ([`MatrixView::upload`], [`DeviceVec::download`]) by default, faster ones where the runtime
+/// has them (the driver's copies on CUDA).
+pub trait Transfer<R: Runtime>: Send + Sync {
     /// A new dense `[rows, cols]` matrix holding the row-major `data`.
     fn upload(
         &self,
@@ -56,12 +58,21 @@ pub trait Uploader<R: Runtime>: Send + Sync {
         rows: usize,
         cols: usize,
     ) -> Result<MatrixView, KernelError>;
+
+    /// The values of `v`, once the work queued on `client` is done.
+    fn download_u32(
+        &self,
+        client: &ComputeClient<R>,
+        v: &DeviceVec<u32>,
+    ) -> Result<Vec<u32>, KernelError> {
+        v.download(client)
+    }
 }
 
-/// CubeCL's own upload.
-struct CubeUpload;
+/// CubeCL's own copies.
+struct CubeTransfer;
 
-impl<R: Runtime> Uploader<R> for CubeUpload {
+impl<R: Runtime> Transfer<R> for CubeTransfer {
     fn upload(
         &self,
         client: &ComputeClient<R>,
@@ -101,7 +112,7 @@ pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     name: String,
     factorizer: Option<Box<dyn UpperFactorizer>>,
     device_factorizer: Option<Arc<dyn DeviceFactorizer<R>>>,
-    uploader: Arc<dyn Uploader<R>>,
+    transfer: Arc<dyn Transfer<R>>,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -113,18 +124,19 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             name: name.into(),
             factorizer: None,
             device_factorizer: None,
-            uploader: Arc::new(CubeUpload),
+            transfer: Arc::new(CubeTransfer),
         }
     }
 
-    /// Uploads weights and the proxy error's differences with `uploader`.
-    pub fn with_uploader(mut self, uploader: Arc<dyn Uploader<R>>) -> Self {
-        self.uploader = uploader;
+    /// Moves weights and the proxy error's differences to the device, and codes back, with
+    /// `transfer`.
+    pub fn with_transfer(mut self, transfer: Arc<dyn Transfer<R>>) -> Self {
+        self.transfer = transfer;
         self
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<MatrixView, KernelError> {
-        self.uploader.upload(&self.client, data, rows, cols)
+        self.transfer.upload(&self.client, data, rows, cols)
     }
 
     /// Factors GPTQ's damped Hessians with the host-side `factorizer` instead of faer (for
@@ -203,7 +215,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 }
             };
         };
-        let (_, w_loop) = prepared.loop_weights(weights, inp);
+        let w_loop = prepared.loop_weights(weights, inp);
         let w_view = self.upload(&w_loop, out, inp)?;
         let loop_config = loop_config(gptq.quantizer(), prepared.group_size, config.block_size);
         let sol = self.solve_columns(&w_view, &upper, &loop_config)?;
@@ -287,7 +299,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         inp: usize,
     ) -> Result<f64, HessianError> {
         let delta: Vec<f32> = weights
-            .iter()
+            .par_iter()
             .zip(dequantized)
             .map(|(&w, &q)| w - q)
             .collect();
@@ -306,7 +318,9 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         u: &MatrixView,
         config: &DeviceGptqConfig,
     ) -> Result<ColumnSolution, KernelError> {
-        let host = gptq_solve(&self.client, &self.gemm, w, u, config)?.download(&self.client)?;
+        let r = gptq_solve(&self.client, &self.gemm, w, u, config)?;
+        let codes = self.transfer.download_u32(&self.client, &r.codes)?;
+        let host = r.download_with_codes(&self.client, codes)?;
         Ok(ColumnSolution {
             codes: host.codes,
             params_rows: host.params,

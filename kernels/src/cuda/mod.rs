@@ -5,7 +5,7 @@
 //! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian);
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
 //!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
-//! - [`DriverUploader`]: host → device copies through the driver (CubeCL's pinned staging is
+//! - [`DriverTransfer`]: host → device copies through the driver (CubeCL's pinned staging is
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
 //!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel.
@@ -38,7 +38,7 @@ pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
     InverseTimings,
 };
-pub use transfer::DriverUploader;
+pub use transfer::DriverTransfer;
 
 use std::sync::Arc;
 

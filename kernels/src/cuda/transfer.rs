@@ -1,24 +1,25 @@
-//! Host → device copies straight through the driver (`cuMemcpyHtoD` from pageable memory):
-//! CubeCL 0.10's uploads stage every buffer through its pinned-memory pool, which measured
-//! 0.45 GB/s for a 268 MB f32 weight on an H200 (0.6 s per upload; `probe` in
-//! docs/results.md). The driver's own staging is what every CUDA program gets by default.
+//! Host ↔ device copies straight through the driver (`cuMemcpyHtoD` / `cuMemcpyDtoH` with
+//! pageable memory): CubeCL 0.10's copies stage every buffer through its pinned-memory pool,
+//! which measured 0.45 GB/s for a 268 MB f32 weight going up on an H200 (0.6 s per upload;
+//! `probe` in docs/results.md) and about 0.9 GB/s for 268 MB of GPTQ codes coming back. The
+//! driver's own staging is what every CUDA program gets by default.
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::{driver_error, handle_ptr, sync_client, LibStream};
-use crate::device::MatrixView;
+use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
-use crate::solver::Uploader;
+use crate::solver::Transfer;
 
 /// Uploads through the driver on the device's primary context (CubeCL's).
 #[derive(Debug)]
-pub struct DriverUploader {
+pub struct DriverTransfer {
     lib: LibStream,
 }
 
-impl DriverUploader {
+impl DriverTransfer {
     /// An uploader for device `ordinal`.
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
         Ok(Self {
@@ -47,9 +48,39 @@ impl DriverUploader {
             .map_err(|e| driver_error("cuMemcpyHtoD", e))?;
         Ok(handle)
     }
+
+    /// Copies the first `dst.len()` elements of the device buffer `handle` into `dst`, after
+    /// the work queued on `client` (which may write the buffer) is done.
+    pub fn download_into<T: bytemuck::Pod>(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        handle: &Handle,
+        dst: &mut [T],
+    ) -> Result<(), KernelError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let bytes = std::mem::size_of_val(dst) as u64;
+        if handle.size_in_used() < bytes {
+            return Err(KernelError::shape(
+                "download",
+                format!(
+                    "{bytes} bytes asked of a {}-byte buffer",
+                    handle.size_in_used()
+                ),
+            ));
+        }
+        let ptr = handle_ptr(client, handle)?;
+        sync_client(client)?;
+        self.lib.bind()?;
+        // SAFETY: `ptr` addresses at least `bytes` bytes of a live device buffer (checked
+        // above) that `handle` keeps alive; the copy is synchronous.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, ptr) }
+            .map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
 }
 
-impl Uploader<CudaRuntime> for DriverUploader {
+impl Transfer<CudaRuntime> for DriverTransfer {
     fn upload(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -71,5 +102,15 @@ impl Uploader<CudaRuntime> for DriverUploader {
             cols,
             row_stride: cols,
         })
+    }
+
+    fn download_u32(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        v: &DeviceVec<u32>,
+    ) -> Result<Vec<u32>, KernelError> {
+        let mut host = vec![0u32; v.len];
+        self.download_into(client, &v.handle, &mut host)?;
+        Ok(host)
     }
 }
