@@ -11,7 +11,7 @@
 //! ```
 //!
 //! On an NVIDIA GPU (bf16 on burn-cuda; hidden states and Hessians stay on the device when
-//! they fit `--max-device-memory`; the solvers still run on the host):
+//! they fit `--max-device-memory`, and GPTQ solves there; `--host-solver` solves on the host):
 //!
 //! ```sh
 //! cargo build --release --features cuda --example quantize_sala
@@ -23,6 +23,7 @@ use sala_quant::quantize_cli::{run, Args};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    sala_quant::allocator::reuse_freed_memory();
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

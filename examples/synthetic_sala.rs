@@ -14,6 +14,7 @@ use sala_quant::synthetic_cli::{run, Args};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    sala_quant::allocator::reuse_freed_memory();
     match run(Args::parse()) {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

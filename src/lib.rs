@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+pub mod allocator;
 pub mod device;
 pub mod forward_cli;
 pub mod full_size;

@@ -580,7 +580,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         linear: &PlannedLinear,
         bits: u32,
         group_size: usize,
-        w: &mut [f32],
+        w: &mut Vec<f32>,
         h: &Finalized<B>,
         report: &mut LinearReport,
     ) -> Result<SolvedLinear, PipelineError> {
@@ -648,7 +648,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         report.damping_retries = q.damping_retries;
         report.rtn_fallback = q.method == Method::RtnFallback;
         let packed = q.pack().map_err(solve_err)?;
-        w.copy_from_slice(&q.dequantized);
+        // The dequantized weight replaces the original (a move: no 268 MB copy).
+        *w = q.dequantized;
         Ok(SolvedLinear::Gptq(packed))
     }
 
