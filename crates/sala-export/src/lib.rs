@@ -13,10 +13,13 @@
 //! - [`Checkpoint`] reads an exported directory back: packed linears and dequantized f32 weights.
 //! - [`verify`] checks a directory against the loaders' rules and lists every violation by
 //!   tensor name ([`VerifyReport`]).
+//! - [`compare`] sets two checkpoints of one model side by side, linear by linear (codes,
+//!   scales, dequantized weights): a GPU-solved run against a host-solved one.
 //!
 //! Tensor layouts per format are in [`layout`]; the fused q/k/v and gate/up groups in
 //! [`modules`]. See `docs/formats.md` ("Checkpoint formats on disk") for the files in one place.
 
+pub mod compare;
 pub mod config;
 mod error;
 pub mod layout;
