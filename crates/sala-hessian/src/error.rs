@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 use sala_formats::FormatError;
+use sala_smooth::SmoothError;
 use thiserror::Error;
 
 /// What went wrong while accumulating a Hessian, inverting it or quantizing a weight.
@@ -78,6 +79,11 @@ pub enum HessianError {
     /// An error from the number formats (bits, group size, block shape).
     #[error(transparent)]
     Format(#[from] FormatError),
+    /// An error from sala-smooth's channel statistics, which [`crate::ChannelStatsAccumulator`]
+    /// adapts. The accumulator checks its inputs first and reports them as the variants
+    /// above; this carries whatever sala-smooth refuses beyond those checks.
+    #[error(transparent)]
+    Smooth(#[from] SmoothError),
     /// A device (GPU) implementation of a solver failed: a launch, a read-back, an
     /// unsupported size. The message is the device layer's.
     #[error("device solver: {0}")]

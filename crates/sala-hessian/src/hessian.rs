@@ -1,6 +1,6 @@
 //! The Hessian `H = Σ XᵀX` of a linear layer's inputs: its owned type, the streaming
 //! accumulator (a blocked, parallel rank-k update on faer) and the diagonal-only statistics
-//! of the NVFP4 recipe.
+//! of the NVFP4 recipe (sala-smooth's channel statistics behind this crate's conventions).
 
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::{Accum, Mat, MatRef, Par};
@@ -8,23 +8,15 @@ use rayon::prelude::*;
 
 use crate::error::{check_matrix, HessianError};
 use crate::scalar::{Activation, HessianScalar};
+use sala_smooth::{ChannelSums, SmoothError};
 
 /// Tokens converted and multiplied per GEMM call: large enough for the GEMM to run at full
 /// speed, small enough that the converted copy of the batch stays a few MiB.
 const TOKENS_PER_CHUNK: usize = 512;
 
-/// How the accumulated sums are normalized when the Hessian is finalized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Normalization {
-    /// Each sample's `XᵀX` is divided by its token count, and the sum by the number of
-    /// samples: every calibration sample weighs the same whatever its length (the original
-    /// SALA scripts' convention).
-    #[default]
-    PerSample,
-    /// The plain sum divided by the total token count (GPTQModel's convention): long samples
-    /// weigh more.
-    PerToken,
-}
+/// How the accumulated sums are normalized when the Hessian or the channel statistics are
+/// finalized: sala-smooth's, so that both kinds of statistics share one definition.
+pub use sala_smooth::Normalization;
 
 /// A symmetric `[dim, dim]` Hessian in `f32` or `f64`.
 ///
@@ -238,7 +230,8 @@ impl<T: HessianScalar> HessianAccumulator<T> {
 }
 
 /// Per-input-channel statistics of the activations (the diagonal-only variant of the
-/// Hessian, plus what SmoothQuant / AWQ need).
+/// Hessian, plus what SmoothQuant / AWQ need), as [`ChannelStatsAccumulator::finalize`] gives
+/// them: a plain record, so that statistics summed elsewhere (on a device) can be one too.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChannelStats {
     /// `E[x²]` per channel, normalized like the full Hessian (equals its diagonal), `[dim]`.
@@ -256,56 +249,14 @@ pub struct ChannelStats {
 /// Streams activation batches into per-channel `Σx²`, `Σ|x|` and `max|x|`
 /// (the diagonal Hessian `E[x²]` and the activation amax of the NVFP4 recipe).
 ///
-/// Sums are kept in f64; batches are split over the rayon pool by tokens.
+/// An adapter of sala-smooth's [`sala_smooth::ChannelStats`], which does the arithmetic (sums
+/// in f64, the normalization, merging) for both crates. This type adds this crate's
+/// conventions: construction fails on zero channels, batches may be bf16 or f16, errors are
+/// [`HessianError`]s naming the token and channel, and batches are split over the rayon pool
+/// by tokens.
 #[derive(Debug, Clone)]
 pub struct ChannelStatsAccumulator {
-    sum_square: Vec<f64>,
-    sum_abs: Vec<f64>,
-    abs_max: Vec<f32>,
-    normalization: Normalization,
-    samples: u64,
-    tokens: u64,
-}
-
-/// Raw per-channel sums of one batch (or part of one).
-#[derive(Clone)]
-struct ChannelSums {
-    square: Vec<f64>,
-    abs: Vec<f64>,
-    max: Vec<f32>,
-}
-
-impl ChannelSums {
-    fn zeros(dim: usize) -> Self {
-        Self {
-            square: vec![0.0; dim],
-            abs: vec![0.0; dim],
-            max: vec![0.0; dim],
-        }
-    }
-
-    fn add_rows<A: Activation>(mut self, rows: &[A]) -> Self {
-        let dim = self.square.len();
-        for row in rows.chunks_exact(dim) {
-            for (j, &a) in row.iter().enumerate() {
-                let ax = a.to_f32().abs();
-                let x = ax as f64;
-                self.square[j] += x * x;
-                self.abs[j] += x;
-                self.max[j] = self.max[j].max(ax);
-            }
-        }
-        self
-    }
-
-    fn combine(mut self, other: Self) -> Self {
-        for j in 0..self.square.len() {
-            self.square[j] += other.square[j];
-            self.abs[j] += other.abs[j];
-            self.max[j] = self.max[j].max(other.max[j]);
-        }
-        self
-    }
+    stats: sala_smooth::ChannelStats,
 }
 
 impl ChannelStatsAccumulator {
@@ -317,18 +268,13 @@ impl ChannelStatsAccumulator {
             });
         }
         Ok(Self {
-            sum_square: vec![0.0; dim],
-            sum_abs: vec![0.0; dim],
-            abs_max: vec![0.0; dim],
-            normalization,
-            samples: 0,
-            tokens: 0,
+            stats: sala_smooth::ChannelStats::with_normalization(dim, normalization),
         })
     }
 
     /// Channels.
     pub fn dim(&self) -> usize {
-        self.sum_square.len()
+        self.stats.channels()
     }
 
     /// Adds one calibration sample, a row-major `[tokens, dim]` batch.
@@ -338,51 +284,52 @@ impl ChannelStatsAccumulator {
         tokens: usize,
     ) -> Result<(), HessianError> {
         let dim = self.dim();
+        // Checked here rather than by sala-smooth so that the errors name the token too.
         check_matrix("activations", activations.len(), tokens, dim)?;
         check_activations_finite(activations, dim)?;
         let sums = activations
             .par_chunks(TOKENS_PER_CHUNK * dim)
-            .fold(|| ChannelSums::zeros(dim), ChannelSums::add_rows)
-            .reduce(|| ChannelSums::zeros(dim), ChannelSums::combine);
-        let weight = match self.normalization {
-            Normalization::PerSample => 1.0 / tokens as f64,
-            Normalization::PerToken => 1.0,
-        };
-        for j in 0..dim {
-            self.sum_square[j] += sums.square[j] * weight;
-            self.sum_abs[j] += sums.abs[j] * weight;
-            self.abs_max[j] = self.abs_max[j].max(sums.max[j]);
-        }
-        self.samples += 1;
-        self.tokens += tokens as u64;
+            .fold(
+                || ChannelSums::new(dim),
+                |mut sums, rows| {
+                    sums.add_rows(rows);
+                    sums
+                },
+            )
+            .map(Ok)
+            .try_reduce(
+                || ChannelSums::new(dim),
+                |mut a, b| {
+                    a.combine(&b)?;
+                    Ok::<_, SmoothError>(a)
+                },
+            )?;
+        self.stats.add_sums(&sums)?;
         Ok(())
     }
 
     /// Adds another accumulator's sums (same dimension and normalization).
     pub fn merge(&mut self, other: &Self) -> Result<(), HessianError> {
+        // Checked here for the errors this crate's accumulators share.
         check_same_setup(
-            (self.dim(), self.normalization),
-            (other.dim(), other.normalization),
+            (self.dim(), self.stats.normalization()),
+            (other.dim(), other.stats.normalization()),
         )?;
-        for j in 0..self.dim() {
-            self.sum_square[j] += other.sum_square[j];
-            self.sum_abs[j] += other.sum_abs[j];
-            self.abs_max[j] = self.abs_max[j].max(other.abs_max[j]);
-        }
-        self.samples += other.samples;
-        self.tokens += other.tokens;
+        self.stats.merge(&other.stats)?;
         Ok(())
     }
 
     /// The normalized statistics. An accumulator that saw no sample is an error.
     pub fn finalize(&self) -> Result<ChannelStats, HessianError> {
-        let divisor = normalization_divisor(self.normalization, self.samples, self.tokens)?;
+        if self.stats.samples() == 0 {
+            return Err(no_sample());
+        }
         Ok(ChannelStats {
-            mean_square: self.sum_square.iter().map(|s| s / divisor).collect(),
-            mean_abs: self.sum_abs.iter().map(|s| s / divisor).collect(),
-            abs_max: self.abs_max.clone(),
-            samples: self.samples,
-            tokens: self.tokens,
+            mean_square: self.stats.mean_square()?,
+            mean_abs: self.stats.mean_abs()?,
+            abs_max: self.stats.abs_max().to_vec(),
+            samples: self.stats.samples(),
+            tokens: self.stats.tokens(),
         })
     }
 }
@@ -424,12 +371,17 @@ fn normalization_divisor(
     tokens: u64,
 ) -> Result<f64, HessianError> {
     if samples == 0 {
-        return Err(HessianError::Empty {
-            what: "accumulator (no sample added)",
-        });
+        return Err(no_sample());
     }
     Ok(match normalization {
         Normalization::PerSample => samples as f64,
         Normalization::PerToken => tokens as f64,
     })
+}
+
+/// The error of finalizing an accumulator that saw no sample.
+fn no_sample() -> HessianError {
+    HessianError::Empty {
+        what: "accumulator (no sample added)",
+    }
 }

@@ -4,7 +4,7 @@
 //!
 //! - [`hessian`]: `H = Σ XᵀX` streamed from activation batches (per-sample or per-token
 //!   normalization, mergeable partials) and the per-channel statistics `E[x²]`, `E[|x|]`,
-//!   `max|x|`;
+//!   `max|x|` (sala-smooth's `ChannelStats`, adapted to this crate's errors and batch types);
 //! - [`inverse`]: the damped Cholesky inverse with retries, as the upper factor GPTQ needs;
 //! - [`gptq`]: the GPTQ solver (lazy blocks, groups, act-order, static groups);
 //! - [`rtn`]: round-to-nearest with the same outputs (baseline and fallback);

@@ -48,7 +48,9 @@ impl HessianScalar for f64 {
 }
 
 /// An activation element as the model produces it: `f32`, `bf16` or `f16`.
-pub trait Activation: Copy + Send + Sync + sealed::Sealed {
+///
+/// `Into<f32>` (which all three have) lets sala-smooth's channel sums read a batch directly.
+pub trait Activation: Copy + Send + Sync + Into<f32> + sealed::Sealed {
     /// The value as f32 (exact for all three types).
     fn to_f32(self) -> f32;
 }

@@ -2,6 +2,8 @@
 
 use thiserror::Error;
 
+use crate::stats::Normalization;
+
 /// Everything that can go wrong when computing or folding smoothing scales.
 ///
 /// Every variant names the tensor, group or statistic it is about, so a caller can report it
@@ -68,6 +70,15 @@ pub enum SmoothError {
     /// A recipe parameter (floor or clamp bound) is not usable.
     #[error("scale recipe: {0}")]
     Recipe(String),
+    /// Statistics normalised differently cannot be merged (their sums are weighted
+    /// differently).
+    #[error("merged statistics: normalised {actual:?}, expected {expected:?}")]
+    NormalizationMismatch {
+        /// The normalisation of the statistics merged into.
+        expected: Normalization,
+        /// The normalisation of the statistics merged.
+        actual: Normalization,
+    },
     /// Statistics were asked for before any sample was added.
     #[error("activation statistics hold no samples")]
     NoSamples,

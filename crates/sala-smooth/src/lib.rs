@@ -5,7 +5,8 @@
 //! the weights. This crate provides the pieces, on plain `f32` slices with explicit shapes:
 //!
 //! - [`ChannelStats`]: per-input-channel statistics (abs-max, per-sample-normalised `E[x²]` =
-//!   `diag(H)`, `E|x|`), mergeable across samples and workers;
+//!   `diag(H)`, `E|x|`), mergeable across samples and workers, a sample's sums splittable
+//!   over threads ([`ChannelSums`]); sala-hessian's channel statistics are these;
 //! - [`compute_scales`] with a [`ScaleRecipe`]: `s_j = act_j^α / wmax_j^(1−α)` and the original
 //!   scripts' / SmoothQuant / AWQ normalisations;
 //! - folding ([`fold_into_norm`], [`fold_into_input_columns`], [`fold_into_output_rows`]) and the
@@ -33,4 +34,4 @@ pub use fold::{
 pub use group::{validate_groups, ReaderMap, SmoothGroup, SmoothSource};
 pub use matrix::WeightMatrix;
 pub use scales::{compute_scales, weight_column_absmax, ClampRange, Normalisation, ScaleRecipe};
-pub use stats::{ActivationStat, ChannelStats};
+pub use stats::{ActivationStat, ChannelStats, ChannelSums, Normalization};
