@@ -250,16 +250,16 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         progress.stage(Stage::Capture, self.active.len());
         let (mut stats, accumulate, finalize) =
             self.capture(layer, &weights, &groups, &needed, hidden, progress)?;
-        report.accumulate = accumulate;
-        report.finalize = finalize;
-        report.capture = seconds_since(t) - accumulate - finalize;
+        report.stages.accumulate = accumulate;
+        report.stages.finalize = finalize;
+        report.stages.capture = seconds_since(t) - accumulate - finalize;
 
         let t = Instant::now();
         progress.stage(Stage::Solve, quantized.len());
         let mut modified = BTreeSet::new();
         let scale_ranges =
             self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
-        report.smooth = seconds_since(t);
+        report.stages.smooth = seconds_since(t);
 
         let t = Instant::now();
         let solved = self.solve_layer(
@@ -270,16 +270,16 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             &scale_ranges,
             progress,
         )?;
-        report.solve = seconds_since(t);
+        report.stages.solve = seconds_since(t);
 
         let t = Instant::now();
         hand_over(sink, &solved, &weights, &quantized, &modified)?;
-        report.write = seconds_since(t);
+        report.stages.write = seconds_since(t);
 
         let t = Instant::now();
         progress.stage(Stage::Propagate, self.active.len());
         self.propagate(layer, &weights, hidden, progress)?;
-        report.propagate = seconds_since(t);
+        report.stages.propagate = seconds_since(t);
         report.peak_device_memory = self.layer_peak;
         report.peak_rss_bytes = peak_rss_bytes();
         self.peak_device = max_memory(self.peak_device, self.layer_peak);

@@ -53,7 +53,7 @@ pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
 };
 pub use progress::{NoProgress, Progress, Stage};
-pub use report::{LayerReport, LinearReport, Report, StageTotals};
+pub use report::{LayerReport, LinearReport, Report, StageSeconds, StageTotals};
 pub use resident::ResidentSolver;
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};

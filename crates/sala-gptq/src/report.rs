@@ -34,19 +34,13 @@ pub struct LinearReport {
     pub seconds: f64,
 }
 
-/// One decoder layer: its timing by stage (seconds, wall clock; on a GPU each stage ends with
-/// a device synchronization, so work is charged to the stage that queued it), its tokens and
-/// its peak memory.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct LayerReport {
-    /// Layer index.
-    pub layer: usize,
-    /// `minicpm4`, `lightning` or `llama`.
-    pub kind: String,
-    /// Calibration samples run through the layer.
-    pub samples: usize,
-    /// Their tokens.
-    pub tokens: u64,
+/// Seconds of the stages of a layer's quantization (wall clock; on a GPU each stage ends with
+/// a device synchronization, so work is charged to the stage that queued it).
+///
+/// The one list of the stages: a layer's timing ([`LayerReport::stages`]) and a run's sums
+/// over layers ([`StageTotals`]) are both this.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageSeconds {
     /// Loading the layer's weights and the forward passes with taps (statistics excluded).
     pub capture: f64,
     /// Accumulating each sample's contribution to the Hessians / channel statistics of the
@@ -63,6 +57,62 @@ pub struct LayerReport {
     pub propagate: f64,
     /// Writing tensors.
     pub write: f64,
+}
+
+impl StageSeconds {
+    /// Seconds that grow with the calibration tokens: capture, accumulate, propagate.
+    pub fn token_seconds(&self) -> f64 {
+        self.capture + self.accumulate + self.propagate
+    }
+
+    /// Seconds that do not depend on the calibration tokens: finalize, smooth, solve, write.
+    pub fn fixed_seconds(&self) -> f64 {
+        self.finalize + self.smooth + self.solve + self.write
+    }
+}
+
+impl std::ops::Add for StageSeconds {
+    type Output = Self;
+
+    /// Stage by stage.
+    fn add(self, other: Self) -> Self {
+        Self {
+            capture: self.capture + other.capture,
+            accumulate: self.accumulate + other.accumulate,
+            finalize: self.finalize + other.finalize,
+            smooth: self.smooth + other.smooth,
+            solve: self.solve + other.solve,
+            propagate: self.propagate + other.propagate,
+            write: self.write + other.write,
+        }
+    }
+}
+
+impl std::iter::Sum for StageSeconds {
+    /// Stage by stage, from zero.
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), |total, s| total + s)
+    }
+}
+
+/// Seconds per stage, summed over layers (see [`stage_totals`]).
+pub type StageTotals = StageSeconds;
+
+/// One decoder layer: its timing by stage, its tokens and its peak memory.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LayerReport {
+    /// Layer index.
+    pub layer: usize,
+    /// `minicpm4`, `lightning` or `llama`.
+    pub kind: String,
+    /// Calibration samples run through the layer.
+    pub samples: usize,
+    /// Their tokens.
+    pub tokens: u64,
+    /// Seconds per stage. Flattened: in the JSON report the stages stay keys of the layer
+    /// (`"capture"`, `"solve"`, ...), which bench/real_job_summary.py and the tests read.
+    #[serde(flatten)]
+    pub stages: StageSeconds,
     /// Peak of the device allocator's memory over the layer (sampled after every sample and
     /// stage), when the pipeline was given a memory probe (GPU runs).
     pub peak_device_memory: Option<DeviceMemory>,
@@ -73,12 +123,12 @@ pub struct LayerReport {
 impl LayerReport {
     /// Seconds that grow with the calibration tokens: capture, accumulate, propagate.
     pub fn token_seconds(&self) -> f64 {
-        self.capture + self.accumulate + self.propagate
+        self.stages.token_seconds()
     }
 
     /// Seconds that do not depend on the calibration tokens: finalize, smooth, solve, write.
     pub fn fixed_seconds(&self) -> f64 {
-        self.finalize + self.smooth + self.solve + self.write
+        self.stages.fixed_seconds()
     }
 
     /// Calibration tokens per second through the layer's token-proportional stages.
@@ -155,13 +205,13 @@ impl fmt::Display for LayerReport {
             "layer {} ({}): capture {:.2} s, accumulate {:.2} s, finalize {:.2} s, smooth {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
             self.layer,
             self.kind,
-            self.capture,
-            self.accumulate,
-            self.finalize,
-            self.smooth,
-            self.solve,
-            self.write,
-            self.propagate,
+            self.stages.capture,
+            self.stages.accumulate,
+            self.stages.finalize,
+            self.stages.smooth,
+            self.stages.solve,
+            self.stages.write,
+            self.stages.propagate,
             self.tokens,
             self.tokens_per_second()
         )?;
@@ -250,26 +300,7 @@ pub fn total_errors(linears: &[LinearReport]) -> (f64, f64) {
     })
 }
 
-/// Seconds per stage, summed over layers (the stages of [`LayerReport`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct StageTotals {
-    /// Forward passes with taps.
-    pub capture: f64,
-    /// Per-sample statistics.
-    pub accumulate: f64,
-    /// Finalizing the statistics.
-    pub finalize: f64,
-    /// Smoothing.
-    pub smooth: f64,
-    /// Solving.
-    pub solve: f64,
-    /// Forward passes with the quantized weights.
-    pub propagate: f64,
-    /// Writing tensors.
-    pub write: f64,
-}
-
-impl fmt::Display for StageTotals {
+impl fmt::Display for StageSeconds {
     /// `capture 1.2, accumulate 0.3, finalize 0.1, smooth 0.0, solve 4.5, propagate 1.0, write 0.0`
     /// (seconds).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -289,17 +320,7 @@ impl fmt::Display for StageTotals {
 
 /// Seconds per stage summed over `layers`.
 pub fn stage_totals(layers: &[LayerReport]) -> StageTotals {
-    layers
-        .iter()
-        .fold(StageTotals::default(), |t, l| StageTotals {
-            capture: t.capture + l.capture,
-            accumulate: t.accumulate + l.accumulate,
-            finalize: t.finalize + l.finalize,
-            smooth: t.smooth + l.smooth,
-            solve: t.solve + l.solve,
-            propagate: t.propagate + l.propagate,
-            write: t.write + l.write,
-        })
+    layers.iter().map(|l| l.stages).sum()
 }
 
 /// `device memory 12.3 GB in use, 14.0 GB reserved`.
@@ -317,4 +338,47 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stages are flattened: a layer's JSON keeps the keys it had before they were grouped
+    /// (quantization_report.json is read by bench/real_job_summary.py), in the same order.
+    #[test]
+    fn a_layer_serializes_with_the_stages_as_its_own_keys() {
+        let layer = LayerReport {
+            layer: 3,
+            stages: StageSeconds {
+                capture: 1.5,
+                write: 0.25,
+                ..StageSeconds::default()
+            },
+            ..LayerReport::default()
+        };
+        let json = serde_json::to_string(&layer).unwrap();
+        assert_eq!(
+            json,
+            r#"{"layer":3,"kind":"","samples":0,"tokens":0,"capture":1.5,"accumulate":0.0,"finalize":0.0,"smooth":0.0,"solve":0.0,"propagate":0.0,"write":0.25,"peak_device_memory":null,"peak_rss_bytes":null}"#
+        );
+    }
+
+    #[test]
+    fn totals_sum_each_stage_over_layers() {
+        let layer = |capture, solve| LayerReport {
+            stages: StageSeconds {
+                capture,
+                solve,
+                ..StageSeconds::default()
+            },
+            ..LayerReport::default()
+        };
+        let totals = stage_totals(&[layer(1.0, 2.0), layer(0.5, 4.0)]);
+        assert_eq!(
+            (totals.capture, totals.solve, totals.write),
+            (1.5, 6.0, 0.0)
+        );
+        assert_eq!(stage_totals(&[]), StageTotals::default());
+    }
 }

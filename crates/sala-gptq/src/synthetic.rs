@@ -396,14 +396,18 @@ fn representative(layers: Vec<&LayerReport>) -> Vec<&LayerReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::StageSeconds;
 
     fn layer(layer: usize, kind: &str, tokens: u64, capture: f64, solve: f64) -> LayerReport {
         LayerReport {
             layer,
             kind: kind.to_owned(),
             tokens,
-            capture,
-            solve,
+            stages: StageSeconds {
+                capture,
+                solve,
+                ..StageSeconds::default()
+            },
             ..LayerReport::default()
         }
     }

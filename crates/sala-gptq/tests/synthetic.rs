@@ -110,13 +110,13 @@ fn assert_stages_measured(report: &SyntheticReport) {
     for l in &report.layers {
         assert_eq!(l.tokens, 128, "layer {}", l.layer);
         for (stage, s) in [
-            ("capture", l.capture),
-            ("accumulate", l.accumulate),
-            ("finalize", l.finalize),
-            ("smooth", l.smooth),
-            ("solve", l.solve),
-            ("write", l.write),
-            ("propagate", l.propagate),
+            ("capture", l.stages.capture),
+            ("accumulate", l.stages.accumulate),
+            ("finalize", l.stages.finalize),
+            ("smooth", l.stages.smooth),
+            ("solve", l.stages.solve),
+            ("write", l.stages.write),
+            ("propagate", l.stages.propagate),
         ] {
             assert!(s.is_finite() && s >= 0.0, "layer {} {stage}: {s}", l.layer);
         }
