@@ -17,6 +17,7 @@
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
+use cubecl::server::Handle;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
 use std::sync::Arc;
 
@@ -164,12 +165,11 @@ pub fn inverse_upper_cusolver_timed(
     let info = DeviceVec::<u32>::zeros(client, 1)?;
     let work_ptr = device_ptr(client, &work)?;
     let info_ptr = handle_ptr(client, &info.handle)?;
-    sync_client(client)?;
-    solver.lib.bind()?;
+    ready(client, solver)?;
 
     // potrf (column-major UPPER on the reversed matrix).
     let mut lwork: i32 = 0;
-    guarded("cusolverDnSpotrf_bufferSize", || {
+    call("cusolverDnSpotrf_bufferSize", || {
         // SAFETY: `work_ptr` addresses n·n f32 of a live buffer, lda = n.
         unsafe {
             sys::cusolverDnSpotrf_bufferSize(
@@ -181,15 +181,10 @@ pub fn inverse_upper_cusolver_timed(
                 &mut lwork,
             )
         }
-        .result()
-        .map_err(solver_error("cusolverDnSpotrf_bufferSize"))
     })?;
-    let workspace = client.empty((lwork.max(1) as usize) * 4);
-    let workspace_ptr = handle_ptr(client, &workspace)?;
-    sync_client(client)?;
-    solver.lib.bind()?;
+    let (workspace, workspace_ptr) = alloc_workspace(client, solver, lwork.max(0) as usize * 4)?;
     timings.prepare_s = lap();
-    guarded("cusolverDnSpotrf", || {
+    call("cusolverDnSpotrf", || {
         // SAFETY: as above; the workspace holds `lwork` f32 and `info` one i32.
         unsafe {
             sys::cusolverDnSpotrf(
@@ -203,11 +198,8 @@ pub fn inverse_upper_cusolver_timed(
                 info_ptr as *mut i32,
             )
         }
-        .result()
-        .map_err(solver_error("cusolverDnSpotrf"))
     })?;
-    solver.lib.synchronize("cusolverDnSpotrf")?;
-    let potrf_info = read_info(client, &info)?;
+    let potrf_info = finished_info(client, solver, &info, "cusolverDnSpotrf")?;
     if potrf_info > 0 {
         // The leading minor of order `potrf_info` of the reversed matrix failed: its last
         // column is column `n − potrf_info` of `h`.
@@ -215,13 +207,12 @@ pub fn inverse_upper_cusolver_timed(
             column: n - potrf_info as usize,
         });
     }
-    check_info("cusolverDnSpotrf", potrf_info)?;
     drop(workspace);
     timings.potrf_s = lap();
 
     // trtri (column-major UPPER, non-unit diagonal), in place.
     let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
-    guarded("cusolverDnXtrtri_bufferSize", || {
+    call("cusolverDnXtrtri_bufferSize", || {
         // SAFETY: as above; the sizes are written to two host integers.
         unsafe {
             sys::cusolverDnXtrtri_bufferSize(
@@ -236,15 +227,10 @@ pub fn inverse_upper_cusolver_timed(
                 &mut host_bytes,
             )
         }
-        .result()
-        .map_err(solver_error("cusolverDnXtrtri_bufferSize"))
     })?;
-    let dev_workspace = client.empty(dev_bytes.max(4));
-    let dev_workspace_ptr = handle_ptr(client, &dev_workspace)?;
     let mut host_workspace = vec![0u8; host_bytes.max(1)];
-    sync_client(client)?;
-    solver.lib.bind()?;
-    guarded("cusolverDnXtrtri", || {
+    let (dev_workspace, dev_workspace_ptr) = alloc_workspace(client, solver, dev_bytes)?;
+    call("cusolverDnXtrtri", || {
         // SAFETY: the device workspace holds `dev_bytes`, the host one `host_bytes`; the
         // host buffer outlives the call, whose stream is synchronized right after.
         unsafe {
@@ -263,24 +249,63 @@ pub fn inverse_upper_cusolver_timed(
                 info_ptr as *mut i32,
             )
         }
-        .result()
-        .map_err(solver_error("cusolverDnXtrtri"))
     })?;
-    solver.lib.synchronize("cusolverDnXtrtri")?;
-    let trtri_info = read_info(client, &info)?;
+    let trtri_info = finished_info(client, solver, &info, "cusolverDnXtrtri")?;
     if trtri_info > 0 {
         return Err(KernelError::unsupported(
             "triangular inverse",
             format!("trtri: zero diagonal at position {trtri_info} of the factor"),
         ));
     }
-    check_info("cusolverDnXtrtri", trtri_info)?;
     drop(dev_workspace);
     timings.trtri_s = lap();
     let u = reversed(client, &work, true)?;
     sync_client(client)?;
     timings.finish_s = lap();
     Ok((u, timings))
+}
+
+/// Makes what CubeCL queued (kernels, and the stream-ordered allocations behind the pointers
+/// about to be handed over) finish before cuSOLVER's own stream reads it, and makes the
+/// library's context current on this thread (CubeCL may have run on another).
+fn ready(client: &ComputeClient<CudaRuntime>, solver: &Cusolver) -> Result<(), KernelError> {
+    sync_client(client)?;
+    solver.lib.bind()
+}
+
+/// A device workspace of `bytes` (at least 4, so that a size of zero still gives a valid
+/// pointer) and its address, [`ready`] for the cuSOLVER call it is for. Keep the handle
+/// alive until that call has been synchronized.
+fn alloc_workspace(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    bytes: usize,
+) -> Result<(Handle, u64), KernelError> {
+    let buffer = client.empty(bytes.max(4));
+    let ptr = handle_ptr(client, &buffer)?;
+    ready(client, solver)?;
+    Ok((buffer, ptr))
+}
+
+/// One cuSOLVER call `what`: a panic inside it (a library or symbol that does not load) and a
+/// status other than success both become errors naming the call.
+fn call(what: &'static str, f: impl FnOnce() -> sys::cusolverStatus_t) -> Result<(), KernelError> {
+    guarded(what, || f().result().map_err(solver_error(what)))
+}
+
+/// Waits for the call `what` on the library's stream, then reads the `info` it wrote: an
+/// invalid argument (negative) is an error, a failure of the routine itself (positive, its
+/// meaning the routine's) is returned for the caller to report.
+fn finished_info(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    info: &DeviceVec<u32>,
+    what: &'static str,
+) -> Result<i32, KernelError> {
+    solver.lib.synchronize(what)?;
+    let value = read_info(client, info)?;
+    check_info(what, value)?;
+    Ok(value)
 }
 
 /// The `info` integer cuSOLVER wrote.
