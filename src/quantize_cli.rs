@@ -201,6 +201,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let options = options_from(&args, recipe)?;
     let config = SalaConfig::from_file(&input.join("config.json"))?;
     let plan = QuantPlan::build(&config, &options.plan)?;
+    options.check(&plan)?;
     if args.plan_only {
         println!("{plan}");
         return Ok(());

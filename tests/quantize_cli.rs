@@ -133,6 +133,44 @@ fn bad_plan_flags_fail_before_any_compute() {
 }
 
 #[test]
+fn flags_that_could_only_fail_later_fail_before_any_compute() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = out.to_str().unwrap();
+    for (flags, needles) in [
+        (vec!["--bits", "2"], &["2-bit symmetric", "gptq_marlin"][..]),
+        (
+            vec!["--bits", "2", "--plan-only"],
+            &["2-bit", "gptq_marlin"],
+        ),
+        (vec!["--no-sym"], &["asymmetric", "--no-sym"]),
+        (vec!["--layer-bits", "0:2"], &["model.layers.0.", "2-bit"]),
+        (vec!["--bits", "16"], &["nothing to quantize"]),
+        (vec!["--exclude", ""], &["nothing to quantize"]),
+        (vec!["--damp", "0"], &["--damp", "percdamp"]),
+        (vec!["--damp=-1", "--plan-only"], &["--damp"]),
+        (vec!["--smooth-alpha", "1.5"], &["--smooth-alpha", "1.5"]),
+        (
+            vec!["--recipe", "nvfp4", "--mse-iters", "0"],
+            &["--mse-iters", "iters"],
+        ),
+        (
+            vec!["--recipe", "nvfp4", "--mse-max-shrink", "1"],
+            &["max_shrink"],
+        ),
+    ] {
+        let mut all = vec!["--output", o];
+        all.extend(flags.iter().copied());
+        let err = error_of(&all);
+        for needle in needles {
+            assert!(err.contains(needle), "{flags:?}: {err}");
+        }
+        assert!(!err.contains('\n'), "one line: {err}");
+        assert_absent(&out);
+    }
+}
+
+#[test]
 fn unknown_flags_are_usage_errors() {
     assert!(Args::try_parse_from(["quantize_sala", "--recipe", "awq"]).is_err());
     assert!(Args::try_parse_from(["quantize_sala", "--bogus"]).is_err());

@@ -38,5 +38,7 @@ pub use safetensors::Dtype;
 pub use shards::{ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE};
 pub use staging::StagedDir;
 pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
-pub use verify::{verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT};
+pub use verify::{
+    marlin_supports, verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,
+};
 pub use writer::{CheckpointWriter, LinearFormat, WriterOptions, WrittenCheckpoint, SIDE_FILES};

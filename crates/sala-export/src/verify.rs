@@ -40,6 +40,12 @@ use crate::tensor::byte_len;
 use crate::writer::LinearFormat;
 use crate::ExportError;
 
+/// Whether `gptq_marlin` serves GPTQ weights of `bits` bits on a symmetric (`sym`) or
+/// asymmetric grid: (4, true) and (8, true) only.
+pub fn marlin_supports(bits: u32, sym: bool) -> bool {
+    matches!((bits, sym), (4, true) | (8, true))
+}
+
 /// `gptq_marlin`'s minimum output tile (`GPTQ_MARLIN_MIN_THREAD_N`).
 pub const MARLIN_MIN_OUT: usize = 64;
 /// `gptq_marlin`'s minimum input tile (`GPTQ_MARLIN_MIN_THREAD_K`).
@@ -323,7 +329,7 @@ impl Verifier<'_> {
                 "checkpoint_format \"marlin\" means pre-repacked weights; ours are AutoGPTQ v1";
             self.push(Rule::Config, "quantization_config", detail);
         }
-        if !matches!((config.bits, config.sym), (4, true) | (8, true)) {
+        if !marlin_supports(config.bits, config.sym) {
             let detail = format!(
                 "gptq_marlin supports (bits, sym) = (4, true) or (8, true), got ({}, {})",
                 config.bits, config.sym

@@ -57,6 +57,25 @@ pub enum PlanError {
         /// The regex crate's message.
         message: String,
     },
+    /// A plan that keeps every linear in 16 bits: the output would hold no quantized weight.
+    #[error("nothing to quantize: every linear is kept in 16 bits (check --bits, --layer-bits, --minicpm4-bits, --lightning-bits and --exclude)")]
+    NothingQuantized,
+    /// A quantized linear the checkpoint's loader would not serve.
+    #[error("{linear}: {detail}")]
+    Loader {
+        /// Module name.
+        linear: String,
+        /// The loader and its rule.
+        detail: String,
+    },
+    /// A solver or smoothing option out of its range.
+    #[error("{option}: {message}")]
+    Option {
+        /// The option (as the command line spells it).
+        option: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// Anything that stops a quantization run. The output directory is then absent (or, with

@@ -1,7 +1,10 @@
 //! Everything a quantization run is told, with the original scripts' defaults.
 
-use crate::plan::{PlanOptions, Recipe};
-use sala_hessian::{Damping, FailurePolicy, IntScheme, Nvfp4BlockSearch};
+use crate::error::PlanError;
+use crate::plan::{PlanOptions, QuantPlan, Recipe, Treatment};
+use sala_hessian::{
+    Damping, FailurePolicy, Gptq, GptqConfig, IntGrid, IntScheme, Nvfp4BlockSearch,
+};
 use sala_model::{AttentionMode, Numerics, RunOptions};
 
 /// GPTQ solver options.
@@ -118,5 +121,72 @@ impl QuantizeOptions {
             overwrite: false,
             max_shard_bytes: sala_export::DEFAULT_MAX_SHARD_BYTES,
         }
+    }
+}
+
+impl QuantizeOptions {
+    /// Refuses, before any compute, what could only fail later: a plan that quantizes nothing,
+    /// a GPTQ bit width or grid `gptq_marlin` does not serve (the checkpoint is written for it),
+    /// and solver or smoothing options out of range. `plan` is the plan built from
+    /// `self.plan`.
+    pub fn check(&self, plan: &QuantPlan) -> Result<(), PlanError> {
+        if plan.quantized().next().is_none() {
+            return Err(PlanError::NothingQuantized);
+        }
+        if let Some(alpha) = self.smooth_alpha {
+            if !(0.0..=1.0).contains(&alpha) {
+                return Err(PlanError::Option {
+                    option: "--smooth-alpha",
+                    message: format!("{alpha} is outside [0, 1]"),
+                });
+            }
+        }
+        match self.plan.recipe {
+            Recipe::Gptq => self.check_gptq(plan),
+            Recipe::Nvfp4 => self.nvfp4_search.validate().map_err(|e| PlanError::Option {
+                option: "--mse-iters / --mse-max-shrink / --mse-error-norm",
+                message: e.to_string(),
+            }),
+        }
+    }
+
+    /// Every GPTQ treatment of `plan`: served by Marlin, and accepted by the solver with these
+    /// options (damping, block size, groups).
+    fn check_gptq(&self, plan: &QuantPlan) -> Result<(), PlanError> {
+        let sym = self.gptq.scheme != IntScheme::Asymmetric;
+        for linear in plan.quantized() {
+            let Treatment::Int { bits, group_size } = linear.treatment else {
+                continue;
+            };
+            if !sala_export::marlin_supports(bits, sym) {
+                return Err(PlanError::Loader {
+                    linear: linear.name.clone(),
+                    detail: format!(
+                        "{bits}-bit {} GPTQ: gptq_marlin, the loader this checkpoint is written \
+                         for, serves 4 or 8 bits on a symmetric grid only (--bits, --layer-bits, \
+                         --no-sym)",
+                        if sym { "symmetric" } else { "asymmetric" }
+                    ),
+                });
+            }
+            let config = GptqConfig {
+                grid: IntGrid {
+                    bits,
+                    scheme: self.gptq.scheme,
+                    group_size: Some(group_size),
+                },
+                block_size: self.gptq.block_size,
+                act_order: self.gptq.act_order,
+                static_groups: self.gptq.static_groups,
+                damping: self.gptq.damping,
+                on_failure: self.gptq.failure_policy(),
+                proxy_error: true,
+            };
+            Gptq::new(config).map_err(|e| PlanError::Option {
+                option: "GPTQ options (--damp, --group-size)",
+                message: e.to_string(),
+            })?;
+        }
+        Ok(())
     }
 }

@@ -104,6 +104,7 @@ impl<B: Backend> Pipeline<B> {
         let store = TensorStore::open(input)?;
         store.check_config(&config)?;
         let plan = QuantPlan::build(&config, &self.options.plan)?;
+        self.options.check(&plan)?;
         if plan
             .get("lm_head")
             .is_some_and(|l| l.treatment.is_quantized())
