@@ -32,7 +32,8 @@ pub struct Args {
     /// Recipe.
     #[arg(long, value_enum, default_value_t = RecipeArg::Gptq)]
     recipe: RecipeArg,
-    /// Bits of quantized linears (GPTQ: 2, 4 or 8; NVFP4: 4); 16 keeps bf16.
+    /// Bits of quantized linears (GPTQ: 4 or 8, what gptq_marlin serves; NVFP4: 4); 16 keeps
+    /// bf16 (useful per layer: --layer-bits).
     #[arg(long, default_value_t = 4)]
     bits: u32,
     /// Input columns per GPTQ group (32, 64 or 128).
