@@ -5,7 +5,7 @@
 //! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian);
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
 //!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
-//! - [`DriverTransfer`]: host → device copies through the driver (CubeCL's pinned staging is
+//! - [`DriverTransfer`]: host ↔ device copies through the driver (CubeCL's pinned staging is
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
 //!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel.

@@ -13,14 +13,15 @@ use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::solver::Transfer;
 
-/// Uploads through the driver on the device's primary context (CubeCL's).
+/// Copies between host and device through the driver, on the device's primary context
+/// (CubeCL's).
 #[derive(Debug)]
 pub struct DriverTransfer {
     lib: LibStream,
 }
 
 impl DriverTransfer {
-    /// An uploader for device `ordinal`.
+    /// Copies for device `ordinal`.
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
         Ok(Self {
             lib: LibStream::new(ordinal)?,
