@@ -131,7 +131,9 @@ const TOLERANCE: f64 = 2e-5;
 
 #[test]
 fn matches_the_reference_on_varlen_packs_and_head_configs() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(41);
     let packs: [&[usize]; 4] = [&[1, 37, 130, 64], &[300], &[5, 5, 5], &[1]];
     // (heads, kv_heads, head_dim): GQA groups 2, 8, 1 (MHA), 3 (padding rows: 10 tokens × 3
@@ -160,7 +162,9 @@ fn matches_the_reference_on_varlen_packs_and_head_configs() {
 #[test]
 fn matches_the_reference_at_the_model_shape() {
     // MiniCPM-SALA: 32 query heads on 2 KV heads (group 16), head_dim 128.
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(42);
     let shape = shape(32, 2, 128);
     for lengths in [&[70][..], &[1, 40, 29]] {
@@ -177,7 +181,9 @@ fn matches_the_reference_at_the_model_shape() {
 fn a_packed_run_equals_each_sequence_alone_bit_for_bit() {
     // Query tiles and key tiles start at each sequence's start, so a row's arithmetic (and
     // its rounding) does not depend on its neighbours in the pack: equality is exact.
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(43);
     for (heads, kv_heads, d) in [(4, 2, 16), (32, 2, 128)] {
         let shape = shape(heads, kv_heads, d);
@@ -210,7 +216,9 @@ fn large_scores_stay_finite_and_match() {
     // q scaled so that scores reach about ±80 (and beyond): a softmax without its running
     // max would overflow exp (f32 overflows past 88). Near one-hot weights make the output
     // sensitive to the scores' own f32 rounding (~6e-8 · 80 relative), hence 1e-4.
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(44);
     for (heads, kv_heads, d, factor) in [(4, 2, 32, 17.0f32), (32, 2, 128, 17.0)] {
         let shape = shape(heads, kv_heads, d);
@@ -233,7 +241,9 @@ fn large_scores_stay_finite_and_match() {
 
 #[test]
 fn bad_inputs_are_errors() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let good = shape(4, 2, 16);
     let tokens = 10;
     let x = Inputs::random(&mut Rng::new(45), &good, tokens);

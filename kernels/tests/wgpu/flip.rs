@@ -8,7 +8,9 @@ use crate::common::{client, Rng};
 
 #[test]
 fn reversal_matches_the_host_and_reads_only_the_window() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(9);
     for n in [7, 6, 1] {
         let a = rng.vec(n * n);

@@ -38,7 +38,9 @@ fn upper_factor(rng: &mut Rng, inp: usize) -> Vec<f32> {
 /// (SymmetricIst puts a negative absmax exactly on the tie −7.5, so its result hangs on the
 /// last bit of the error-updated weight), and such rows must be few.
 fn compare(out: usize, inp: usize, config: DeviceGptqConfig, seed: u64) {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(seed);
     let u = upper_factor(&mut rng, inp);
     let w: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
@@ -185,7 +187,9 @@ fn groups_longer_than_blocks_and_per_channel() {
 
 #[test]
 fn bad_configs_and_shapes_are_errors() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let w = MatrixView::zeros(&client, 4, 16).unwrap();
     let u = MatrixView::zeros(&client, 16, 16).unwrap();
     let ok = DeviceGptqConfig::default();

@@ -9,7 +9,9 @@ use crate::common::{client, Rng};
 
 #[test]
 fn the_diagonal_of_a_window_is_read_in_place() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(31);
     let big = rng.vec(7 * 9);
     let full = MatrixView::upload(&client, &big, 7, 9).unwrap();
@@ -28,7 +30,9 @@ fn the_diagonal_of_a_window_is_read_in_place() {
 
 #[test]
 fn the_first_non_finite_element_is_found_in_row_major_order() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(32);
     // More columns than units per cube, so that units stride.
     let (rows, cols) = (5, 700);
@@ -49,7 +53,9 @@ fn the_first_non_finite_element_is_found_in_row_major_order() {
 
 #[test]
 fn the_damped_permuted_copy_mirrors_the_lower_triangle() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(33);
     let n = 37;
     // Not symmetric: only the lower triangle (with the diagonal) may be read.
@@ -88,7 +94,9 @@ fn the_damped_permuted_copy_mirrors_the_lower_triangle() {
 
 #[test]
 fn row_dots_match_the_host() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(34);
     let (rows, cols) = (6, 900);
     let a = rng.vec(rows * cols);

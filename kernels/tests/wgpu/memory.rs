@@ -7,7 +7,9 @@ use crate::common::{client, Rng};
 
 #[test]
 fn uploads_round_trip_bit_for_bit() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     let mut rng = Rng::new(3);
     let mut values = rng.vec(1000);
     values.extend([f32::MIN_POSITIVE / 2.0, -0.0, f32::MAX, f32::NEG_INFINITY]);
@@ -31,7 +33,9 @@ fn uploads_round_trip_bit_for_bit() {
 
 #[test]
 fn zeros_are_zero_even_in_reused_memory() {
-    let client = client();
+    let Some(client) = client() else {
+        return;
+    };
     for round in 0..4 {
         let len = 4096 + 3 * round;
         // Fill the pool with non-zero buffers of the same size, then free them.

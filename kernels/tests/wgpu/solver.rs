@@ -16,10 +16,10 @@ use sala_kernels::{CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, Matrix
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::common::{client, Rng, TestRuntime};
+use crate::common::{client, device_client, Rng, TestRuntime};
 
 fn solver() -> DeviceSolver<TestRuntime, CubeGemm> {
-    DeviceSolver::new(client(), CubeGemm, "test device")
+    DeviceSolver::new(device_client(), CubeGemm, "test device")
 }
 
 /// `XᵀX / tokens` of random activations with uneven channel scales and one dead channel.
@@ -54,6 +54,9 @@ fn relative(a: f64, b: f64) -> f64 {
 
 #[test]
 fn device_gptq_matches_the_host_solver() {
+    if client().is_none() {
+        return;
+    }
     let device = solver();
     assert_eq!(device.name(), "test device");
     let (out, inp) = (48, 192);
@@ -129,6 +132,9 @@ impl UpperFactorizer for CountingFactorizer {
 
 #[test]
 fn the_damped_inverse_comes_from_the_given_factorizer() {
+    if client().is_none() {
+        return;
+    }
     let calls = Arc::new(AtomicUsize::new(0));
     let device = solver().with_factorizer(Box::new(CountingFactorizer(calls.clone())));
     let (out, inp) = (24, 128);
@@ -158,6 +164,9 @@ fn the_damped_inverse_comes_from_the_given_factorizer() {
 
 #[test]
 fn device_block_search_equals_the_host_search_and_reports_bad_weights() {
+    if client().is_none() {
+        return;
+    }
     let device = solver();
     let (rows, cols) = (24, 96);
     let mut rng = Rng::new(22);
@@ -195,13 +204,16 @@ fn device_block_search_equals_the_host_search_and_reports_bad_weights() {
 /// The host Hessian as the device's f32 row-major matrix.
 fn on_device(h: &Hessian<f64>) -> MatrixView {
     let values: Vec<f32> = h.to_row_major().iter().map(|&v| v as f32).collect();
-    MatrixView::upload(&client(), &values, h.dim(), h.dim()).unwrap()
+    MatrixView::upload(&device_client(), &values, h.dim(), h.dim()).unwrap()
 }
 
 /// GPTQ on a Hessian in device memory (diagonal, damped copy, factor, loop and proxy error
 /// on the device) against the host solver on the same Hessian in f64.
 #[test]
 fn resident_gptq_matches_the_host_solver() {
+    if client().is_none() {
+        return;
+    }
     let device = solver();
     let (out, inp) = (40, 160);
     let mut rng = Rng::new(24);
@@ -263,8 +275,8 @@ fn resident_gptq_matches_the_host_solver() {
         assert!(relative(a, b) < 2e-2, "{label}: proxy {a} vs {b}");
     }
     assert_eq!(
-        h_device.download(&client()).unwrap(),
-        on_device(&h).download(&client()).unwrap(),
+        h_device.download(&device_client()).unwrap(),
+        on_device(&h).download(&device_client()).unwrap(),
         "the device Hessian is left as it is"
     );
 }
@@ -297,6 +309,9 @@ impl DeviceFactorizer<TestRuntime> for CountingDeviceFactorizer {
 
 #[test]
 fn resident_damping_retries_go_through_the_device_factorizer() {
+    if client().is_none() {
+        return;
+    }
     let calls = Arc::new(AtomicUsize::new(0));
     let device = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
         calls: calls.clone(),
@@ -344,6 +359,9 @@ fn resident_damping_retries_go_through_the_device_factorizer() {
 
 #[test]
 fn resident_gptq_refuses_bad_hessians_by_position() {
+    if client().is_none() {
+        return;
+    }
     let device = solver();
     let (out, inp) = (8, 32);
     let mut rng = Rng::new(26);
@@ -351,7 +369,7 @@ fn resident_gptq_refuses_bad_hessians_by_position() {
     let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
     let mut values: Vec<f32> = h.to_row_major().iter().map(|&v| v as f32).collect();
     values[5 * inp + 9] = f32::NAN;
-    let bad = MatrixView::upload(&client(), &values, inp, inp).unwrap();
+    let bad = MatrixView::upload(&device_client(), &values, inp, inp).unwrap();
     match device.solve_gptq_resident(&GptqConfig::default(), &weights, out, inp, &bad) {
         Err(HessianError::NonFinite {
             what: "hessian",
