@@ -17,6 +17,8 @@
 //!   route to GPTQ's factor;
 //! - [`attention`]: causal grouped-query flash attention over packed variable-length
 //!   sequences ([`causal_gqa_attention`]);
+//! - [`flash_attention`]: the same attention on the tensor cores (bf16 cooperative matrices),
+//!   where the runtime offers them ([`flash_attention_bf16`]);
 //! - [`softmax`]: the causally masked row softmax of blocked (cuBLAS) attention
 //!   ([`causal_softmax_rows`]);
 //! - [`error`]: the one error type, [`KernelError`].
@@ -27,6 +29,7 @@ pub mod block_search;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod flash_attention;
 pub mod flip;
 pub mod gemm;
 pub mod gptq;
@@ -40,6 +43,7 @@ pub use attention::{attention_tiling, causal_gqa_attention, AttentionShape, Atte
 pub use block_search::{nvfp4_block_search, DeviceBlockSearch};
 pub use device::{DeviceVec, Element, MatrixView};
 pub use error::KernelError;
+pub use flash_attention::{flash_attention_bf16, flash_attention_supported, FlashTiling};
 pub use gemm::{CubeGemm, Gemm};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;

@@ -121,19 +121,25 @@ mod cube {
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_bf16, Bf16Matrix, Cublas, LinearShape,
     };
+    use sala_kernels::flash_attention::{
+        flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
+    };
 
-    /// Sequences from this length on take the cuBLAS-blocked attention (GEMMs on tensor cores,
-    /// 2.3 s at 131072 tokens on an H200 against 15.9 s for the CubeCL flash kernel); shorter
-    /// ones keep the flash kernel (no scratch, no host syncs per block).
+    /// Without the tensor-core flash kernel (a head dimension it is not compiled for),
+    /// sequences from this length on take the cuBLAS-blocked attention (2.3 s at 131072
+    /// tokens on an H200 against 15.9 s for the portable FMA kernel); shorter ones keep the
+    /// portable kernel (no scratch, no host syncs per block).
     pub const BLOCKED_ATTENTION_MIN_LEN: usize = 4096;
     use sala_kernels::MatrixView;
     use std::sync::Arc;
 
     type R = CudaRuntime;
 
-    /// The `sala-kernels` implementations on CUDA: causal GQA attention (CubeCL, bf16, f16
+    /// The `sala-kernels` implementations on CUDA: causal GQA attention (bf16 on the tensor
+    /// cores where the head dimension allows, else the portable CubeCL kernel for bf16, f16
     /// or f32 tensors) and, with a cuBLAS handle, bf16 linears and Hessians as cuBLAS GEMMs
-    /// and the attention of long bf16 sequences blocked on cuBLAS.
+    /// and, for head dimensions the flash kernel lacks, the attention of long bf16 sequences
+    /// blocked on cuBLAS.
     #[derive(Debug, Clone, Default)]
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
@@ -301,7 +307,21 @@ mod cube {
             let bytes = tokens * heads * head_dim * q.dtype.size();
             let out_handle = q.client.empty(bytes);
             let longest = lengths.iter().copied().max().unwrap_or(0);
+            let flash = q.dtype == DType::BF16
+                && FLASH_HEAD_DIMS.contains(&head_dim)
+                && flash_attention_supported(&q.client);
             let launched = match (q.dtype, &self.blas) {
+                // bf16 on the tensor cores, any length.
+                (DType::BF16, _) if flash => flash_attention_bf16(
+                    &q.client,
+                    &shape,
+                    &offsets,
+                    &q.handle,
+                    &k.handle,
+                    &v.handle,
+                    &out_handle,
+                )
+                .map(|_| ()),
                 // Long bf16 sequences: scores and P·V as cuBLAS GEMMs per query block.
                 (DType::BF16, Some(blas)) if longest >= BLOCKED_ATTENTION_MIN_LEN => {
                     blocked_causal_attention_bf16(

@@ -11,7 +11,7 @@ use crate::common::{client, Rng, TestRuntime};
 type Client = cubecl::prelude::ComputeClient<TestRuntime>;
 
 /// The model's convention: `1/sqrt(head_dim)`.
-fn shape(heads: usize, kv_heads: usize, head_dim: usize) -> AttentionShape {
+pub(crate) fn shape(heads: usize, kv_heads: usize, head_dim: usize) -> AttentionShape {
     AttentionShape {
         heads,
         kv_heads,
@@ -21,14 +21,14 @@ fn shape(heads: usize, kv_heads: usize, head_dim: usize) -> AttentionShape {
 }
 
 /// Random `q [tokens, heads, d]`, `k`, `v [tokens, kv_heads, d]`, entries ~N(0, 1).
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+pub(crate) struct Inputs {
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
 }
 
 impl Inputs {
-    fn random(rng: &mut Rng, shape: &AttentionShape, tokens: usize) -> Self {
+    pub(crate) fn random(rng: &mut Rng, shape: &AttentionShape, tokens: usize) -> Self {
         let mut normal = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f32>>();
         let d = shape.head_dim;
         Self {
@@ -39,7 +39,7 @@ impl Inputs {
     }
 }
 
-fn offsets_of(lengths: &[usize]) -> Vec<usize> {
+pub(crate) fn offsets_of(lengths: &[usize]) -> Vec<usize> {
     let mut offsets = vec![0];
     for &len in lengths {
         offsets.push(offsets.last().unwrap() + len);
@@ -74,7 +74,7 @@ fn run(
 
 /// The definition in f64: for each query, the full causal score row of its sequence.
 /// Returns the output and the largest `|score|` seen.
-fn reference(shape: &AttentionShape, offsets: &[usize], x: &Inputs) -> (Vec<f64>, f64) {
+pub(crate) fn reference(shape: &AttentionShape, offsets: &[usize], x: &Inputs) -> (Vec<f64>, f64) {
     let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
     let group = heads / kv_heads;
     let mut out = vec![0.0f64; x.q.len()];
@@ -110,7 +110,7 @@ fn reference(shape: &AttentionShape, offsets: &[usize], x: &Inputs) -> (Vec<f64>
 }
 
 /// Largest `|got − want|` divided by `max |want|` (the scale of the output).
-fn rel_error(got: &[f32], want: &[f64]) -> f64 {
+pub(crate) fn rel_error(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0.0f64, |a, w| a.max(w.abs())).max(1e-30);
     got.iter()

@@ -7,6 +7,7 @@
 mod attention;
 mod block_search;
 mod common;
+mod flash_attention;
 mod flip;
 mod gemm;
 mod gptq;
