@@ -8,7 +8,8 @@
 #    outputs to OUT_DIR/dump;
 # 2. bench/torch_layer.py runs the same layers in PyTorch on the dumped inputs and writes the
 #    merged report OUT_DIR/forward.json (the shape of bench/results/forward-h200.json).
-# The kernel caches live under target/ of the working directory: CubeCL's (target/cuda,
+# The kernel caches live under target/ of the working directory: ours
+# (target/sala-kernels/<fingerprint>,
 # target/autotune) and the driver's JIT cache (CUDA_CACHE_PATH=target/cuda-jit, so that a
 # second run skips the PTX → SASS compilation too). Keep them between runs for a warm start.
 # FORWARD_TIMEOUT and TORCH_TIMEOUT (seconds) bound the two steps (defaults 420 and 240).

@@ -12,7 +12,8 @@
 #    otherwise; its log and report (quantization_report.json) go to OUT_DIR;
 # 3. BIN_DIR/verify_checkpoint checks the output.
 # Binaries are built with `cargo build --release --features cuda --example ...`. The kernel
-# caches live under target/ of the working directory (CubeCL's target/cuda, target/autotune;
+# caches live under target/ of the working directory (target/sala-kernels/<fingerprint>,
+# target/autotune;
 # the driver's CUDA_CACHE_PATH=target/cuda-jit): keep them between runs for a warm start.
 # MAKE_TIMEOUT, QUANTIZE_TIMEOUT and VERIFY_TIMEOUT (seconds) bound the steps.
 set -uo pipefail

@@ -61,7 +61,7 @@ pub struct Args {
 pub struct ForwardReport {
     /// `cpu` or `cuda`.
     pub device: String,
-    /// Whether CubeCL's kernel cache (`target/cuda`) held kernels when the run started
+    /// Whether the kernel cache (`target/sala-kernels/<fingerprint>`) held kernels when the run started
     /// (`warm`) or not (`cold`); a cold run's first passes include compilation, which the
     /// untimed first run of every pass absorbs.
     pub kernel_cache: String,
@@ -90,6 +90,19 @@ pub struct KindCost {
     pub capture: PerTokenCost,
     /// Propagate pass.
     pub propagate: PerTokenCost,
+}
+
+/// `warm` when the kernel cache of this build ([`sala_gptq::kernel_cache_dir`]) holds
+/// compiled kernels, else `cold` (always `cold` without the `cuda` feature).
+fn kernel_cache_state() -> &'static str {
+    #[cfg(feature = "cuda")]
+    if sala_gptq::kernel_cache_dir()
+        .read_dir()
+        .is_ok_and(|mut d| d.next().is_some())
+    {
+        return "warm";
+    }
+    "cold"
 }
 
 /// Parses `--cases`.
@@ -130,14 +143,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
     if let Some(dir) = &args.dump {
         std::fs::create_dir_all(dir).map_err(|e| format!("--dump {}: {e}", dir.display()))?;
     }
-    let kernel_cache = if Path::new("target/cuda")
-        .read_dir()
-        .is_ok_and(|mut d| d.next().is_some())
-    {
-        "warm"
-    } else {
-        "cold"
-    };
+    let kernel_cache = kernel_cache_state();
     let job = ForwardJob {
         config,
         cases,

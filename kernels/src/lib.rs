@@ -50,5 +50,11 @@ pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
 pub use solver::{DeviceFactorizer, DeviceSolver, Transfer};
 
+/// A fingerprint of this crate's kernel sources (16 hex digits, computed at build time): key
+/// an on-disk cache of compiled kernels by it. CubeCL's own PTX cache keys a kernel by its
+/// name and compile-time arguments, not its body, so a cache shared across builds would run
+/// the old code of a kernel that changed.
+pub const KERNELS_SOURCE_FINGERPRINT: &str = env!("SALA_KERNELS_SOURCE_FINGERPRINT");
+
 /// The CubeCL version these kernels are written against (pinned `=0.10.0`).
 pub use cubecl;

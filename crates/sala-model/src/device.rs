@@ -47,9 +47,24 @@ pub fn cuda_memory(device: &CudaDevice) -> Option<DeviceMemory> {
     })
 }
 
-/// Turns on CubeCL's on-disk kernel cache (compiled PTX, next to the autotune cache in the
-/// `target/` directory of the Cargo project around the working directory) unless a
-/// `cubecl.toml` configures it, so that a second run does not JIT-compile every kernel again.
+/// Where [`enable_kernel_cache`] keeps compiled kernels: `target/sala-kernels/<fingerprint>`
+/// of the Cargo project around the working directory (outside one, under the user's cache
+/// directory).
+#[cfg(feature = "cuda")]
+pub fn kernel_cache_dir() -> std::path::PathBuf {
+    cubecl::config::cache::CacheConfig::Target
+        .root()
+        .join("sala-kernels")
+        .join(sala_kernels::KERNELS_SOURCE_FINGERPRINT)
+}
+
+/// Turns on CubeCL's on-disk kernel cache (compiled PTX) unless a `cubecl.toml` configures
+/// it, so that a second run does not JIT-compile every kernel again. The cache lives in
+/// `sala-kernels/<fingerprint>` under the `target/` directory of the Cargo project around the
+/// working directory (next to the autotune cache), the fingerprint being
+/// [`sala_kernels::KERNELS_SOURCE_FINGERPRINT`]: CubeCL keys compiled kernels by name and
+/// compile-time arguments only, so a cache shared with an older build would run the old code
+/// of any kernel whose body changed. A new build starts cold (minutes of compilation once).
 /// Must run before the first CUDA tensor exists; returns `false` (and changes nothing) when
 /// CubeCL's configuration was already read.
 #[cfg(feature = "cuda")]
@@ -62,7 +77,7 @@ pub fn enable_kernel_cache() -> bool {
     }
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
     if config.compilation.cache.is_none() {
-        config.compilation.cache = Some(CacheConfig::Target);
+        config.compilation.cache = Some(CacheConfig::File(kernel_cache_dir()));
     }
     *state = Some(std::sync::Arc::new(config));
     true

@@ -36,7 +36,7 @@ pub use config::{
 };
 pub use device::DeviceMemory;
 #[cfg(feature = "cuda")]
-pub use device::{cuda_memory, enable_kernel_cache, CudaBackend, CudaDevice};
+pub use device::{cuda_memory, enable_kernel_cache, kernel_cache_dir, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
 pub use fast::{f32_matrix_view, CudaFastOps};
