@@ -6,6 +6,8 @@
 //! - [`device`]: f32 matrix windows in device memory ([`MatrixView`]) and flat vectors;
 //! - [`gemm`]: the [`Gemm`] trait (`C ← β·C + α·op(A)·op(B)`) and its portable
 //!   implementation [`CubeGemm`] (cubek-matmul);
+//! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]) with the
+//!   bf16 rounding points of the unfused chain;
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
 //! - [`hessian_ops`]: what GPTQ reads of a Hessian that stays on the device (diagonal,
 //!   finiteness, the damped permuted copy, the proxy error's row dots);
@@ -31,6 +33,7 @@ pub mod device;
 pub mod error;
 pub mod flash_attention;
 pub mod flip;
+pub mod gates;
 pub mod gemm;
 pub mod gptq;
 pub mod hessian;

@@ -35,6 +35,22 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// The SwiGLU activation `round(round(silu(gate)) · up)` of `gate`, `up` `[tokens, inter]`
+    /// (storage dtype), rounded where the graph rounds (`silu` itself computes
+    /// `gate · round(sigmoid(gate))`); `Ok(None)` where this implementation has no fused
+    /// kernel for these tensors (the graph's ops run instead).
+    fn swiglu(&self, gate: &Tensor<B, 2>, up: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (gate, up);
+        Ok(None)
+    }
+
+    /// `round(x · round(sigmoid(gate)))` for `x`, `gate` of one shape (storage dtype): the
+    /// sigmoid output gates of the attention layers; `Ok(None)` as [`FastOps::swiglu`].
+    fn sigmoid_gate(&self, x: &Tensor<B, 2>, gate: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (x, gate);
+        Ok(None)
+    }
+
     /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
     /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
     /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
@@ -124,6 +140,7 @@ mod cube {
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
     };
+    use sala_kernels::gates::{sigmoid_gate, swiglu};
 
     /// Without the tensor-core flash kernel (a head dimension it is not compiled for),
     /// sequences from this length on take the cuBLAS-blocked attention (2.3 s at 131072
@@ -185,6 +202,49 @@ mod cube {
         })
     }
 
+    /// A fused elementwise kernel of `sala_kernels::gates`: two inputs, one output, a length.
+    type BinaryKernel = fn(
+        &cubecl::prelude::ComputeClient<R>,
+        &cubecl::server::Handle,
+        &cubecl::server::Handle,
+        &cubecl::server::Handle,
+        usize,
+    ) -> std::result::Result<(), sala_kernels::KernelError>;
+
+    /// A CUDA tensor of the backend `CubeBackend<R, F, I, BT>`.
+    type CudaTensor<F, I, BT, const D: usize> = Tensor<CubeBackend<R, F, I, BT>, D>;
+
+    /// Runs the fused elementwise `kernel` on two bf16 tensors of one shape into a new one;
+    /// `None` unless both are bf16.
+    fn fused_bf16<F: FloatElement, I: IntElement, BT: BoolElement>(
+        op: &'static str,
+        a: &CudaTensor<F, I, BT, 2>,
+        b: &CudaTensor<F, I, BT, 2>,
+        kernel: BinaryKernel,
+    ) -> Result<Option<CudaTensor<F, I, BT, 2>>> {
+        if a.dtype() != DType::BF16 || b.dtype() != DType::BF16 {
+            return Ok(None);
+        }
+        let ([rows, cols], other) = (a.dims(), b.dims());
+        if other != [rows, cols] {
+            return Err(ModelError::InvalidInput(format!(
+                "{op} of a [{rows}, {cols}] and a {other:?} tensor"
+            )));
+        }
+        let (a, b) = (primitive(a.clone()), primitive(b.clone()));
+        let len = rows * cols;
+        let out = a.client.empty(len * 2);
+        kernel(&a.client, &a.handle, &b.handle, &out, len).map_err(kernel_error(op))?;
+        let out = CubeTensor::new_contiguous(
+            a.client.clone(),
+            a.device.clone(),
+            [rows, cols].into(),
+            out,
+            DType::BF16,
+        );
+        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+    }
+
     fn kernel_error(op: &'static str) -> impl Fn(sala_kernels::KernelError) -> ModelError {
         move |e| ModelError::Kernel {
             op,
@@ -242,6 +302,22 @@ mod cube {
             }
             drop(view);
             Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))
+        }
+
+        fn swiglu(
+            &self,
+            gate: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            up: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            fused_bf16("swiglu", gate, up, swiglu::<R, half::bf16>)
+        }
+
+        fn sigmoid_gate(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            gate: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            fused_bf16("sigmoid gate", x, gate, sigmoid_gate::<R, half::bf16>)
         }
 
         fn linear(

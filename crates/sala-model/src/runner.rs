@@ -463,7 +463,7 @@ impl<B: Backend> LayerRunner<B> {
         );
         let gate = apply("mlp.gate_proj", m.clone(), [inter, hidden_size])?;
         let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
-        let act = self.round(self.round(silu(gate)) * up);
+        let act = self.swiglu(gate, up)?;
         if !full {
             tap(&format!("{}.mlp.down_proj", w.prefix), &act);
             return Ok(None);
@@ -482,6 +482,26 @@ impl<B: Backend> LayerRunner<B> {
             }
         }
         Ok(linear(x, w, self.options.numerics))
+    }
+
+    /// `round(round(silu(gate)) · up)`: the [`FastOps`] fused kernel where it has one.
+    fn swiglu(&self, gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            if let Some(act) = fast.swiglu(&gate, &up)? {
+                return Ok(act);
+            }
+        }
+        Ok(self.round(self.round(silu(gate)) * up))
+    }
+
+    /// `round(x · round(sigmoid(gate)))`: the [`FastOps`] fused kernel where it has one.
+    fn sigmoid_gate(&self, x: Tensor<B, 2>, gate: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            if let Some(gated) = fast.sigmoid_gate(&x, &gate)? {
+                return Ok(gated);
+            }
+        }
+        Ok(self.round(x * self.round(sigmoid(gate))))
     }
 
     /// q/k/v projections of `a` into `[tokens, heads, d]` views.
@@ -559,7 +579,7 @@ impl<B: Backend> LayerRunner<B> {
         let [q, k, v] = self.project_qkv(&a, dims, apply)?;
         let gate = apply("self_attn.o_gate", a, [dims.q_width(), hidden])?;
         let att = self.softmax_attention(q, k, v, lengths)?;
-        let gated = self.round(att * self.round(sigmoid(gate)));
+        let gated = self.sigmoid_gate(att, gate)?;
         apply("self_attn.o_proj", gated, [hidden, dims.q_width()])
     }
 
@@ -581,7 +601,7 @@ impl<B: Backend> LayerRunner<B> {
         let out = self.gla(q, k, v, lengths);
         let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
         let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
-        let gated = self.round(out * self.round(sigmoid(gate)));
+        let gated = self.sigmoid_gate(out, gate)?;
         apply("self_attn.o_proj", gated, [hidden, heads * d])
     }
 

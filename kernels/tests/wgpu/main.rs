@@ -9,6 +9,7 @@ mod block_search;
 mod common;
 mod flash_attention;
 mod flip;
+mod gates;
 mod gemm;
 mod gptq;
 mod hessian;
