@@ -1,9 +1,11 @@
-//! Fused elementwise gates of a transformer layer, each one kernel over tensors stored in `S`
+//! Fused elementwise steps of a transformer layer, each one kernel over tensors stored in `S`
 //! (bf16 on the GPU path, f32 where there is no rounding), with the arithmetic in f32 and a
 //! rounding to `S` at exactly the points where an unfused chain of bf16 tensor ops rounds:
 //!
 //! - [`swiglu`]: `out = S(S(g · S(σ(g))) · u)` — SiLU of the gate times the up projection;
-//! - [`sigmoid_gate`]: `out = S(x · S(σ(g)))` — an output gated by the sigmoid of a projection.
+//! - [`sigmoid_gate`]: `out = S(x · S(σ(g)))` — an output gated by the sigmoid of a projection;
+//! - [`rms_norm`]: `out = S(S(x / √(mean(x²) + ε)) · w)` per row;
+//! - [`scaled_residual`]: `out = S(h + S(m · scale))` — a residual add of a scaled branch.
 //!
 //! `σ(g)` is computed as `exp(−ln(1 + exp(−g)))`, the sequence of f32 operations of the Burn
 //! graph's sigmoid (a log-sigmoid then an exponential), so that the fused result matches it
@@ -130,5 +132,142 @@ fn sigmoid_gate_kernel<S: Float>(x: &Array<S>, gate: &Array<S>, out: &mut Array<
     if i < len {
         let s = round::<S>(sigmoid(f32::cast_from(gate[i])));
         out[i] = S::cast_from(f32::cast_from(x[i]) * s);
+    }
+}
+
+/// Units per cube of [`rms_norm`] (one cube per row; a power of two).
+const NORM_UNITS: usize = 256;
+
+/// RMSNorm of each row of `x` `[rows, cols]`: `out = S(S(x / √(mean(x²) + eps)) · w)` with
+/// `w` `[cols]`, the statistics and the division in f32 (the graph's `rms_norm` under bf16
+/// storage; the sum of squares is a tree sum, so it may differ from the graph's in the last
+/// f32 bits). Dense buffers of `S`; `out` must not alias `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    weight: &Handle,
+    out: &Handle,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<(), KernelError> {
+    let len = rows.checked_mul(cols).ok_or_else(|| {
+        KernelError::unsupported("rms norm", format!("{rows} × {cols} overflows"))
+    })?;
+    check_buffers::<S>("rms norm", len, [x, out, out])?;
+    check_buffers::<S>("rms norm weight", cols, [weight, weight, weight])?;
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(KernelError::unsupported("rms norm eps", format!("{eps}")));
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let units = NORM_UNITS.min(client.properties().hardware.max_units_per_cube as usize);
+    let units = 1 << units.ilog2();
+    let count = crate::launch::cube_count(client, rows)?;
+    rms_norm_kernel::launch::<S, R>(
+        client,
+        count,
+        CubeDim::new_1d(units as u32),
+        typed::<R>(x, len),
+        typed::<R>(weight, cols),
+        typed::<R>(out, len),
+        rows,
+        cols,
+        eps,
+        units,
+    );
+    flush(client, "rms norm")
+}
+
+/// `out[i] = S(h[i] + S(m[i] · scale))` for `i < len`: a residual add of a scaled branch
+/// output, rounded where the graph rounds (`round(h + round(f32(m) · scale))`). Buffers as in
+/// [`swiglu`].
+pub fn scaled_residual<R: Runtime, S: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    h: &Handle,
+    m: &Handle,
+    out: &Handle,
+    len: usize,
+    scale: f32,
+) -> Result<(), KernelError> {
+    check_buffers::<S>("scaled residual", len, [h, m, out])?;
+    if len == 0 {
+        return Ok(());
+    }
+    let (count, dim) = elementwise(client, len)?;
+    scaled_residual_kernel::launch::<S, R>(
+        client,
+        count,
+        dim,
+        typed::<R>(h, len),
+        typed::<R>(m, len),
+        typed::<R>(out, len),
+        len,
+        scale,
+    );
+    flush(client, "scaled residual")
+}
+
+/// One cube of `units` units per row: the sum of squares strided over the units, a tree sum
+/// in shared memory, then each unit writes its columns.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_kernel<S: Float>(
+    x: &Array<S>,
+    weight: &Array<S>,
+    out: &mut Array<S>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    #[comptime] units: usize,
+) {
+    let row = CUBE_POS;
+    if row < rows {
+        let u = UNIT_POS as usize;
+        let base = row * cols;
+        let mut acc = 0.0f32;
+        let mut c = u;
+        while c < cols {
+            let v = f32::cast_from(x[base + c]);
+            acc += v * v;
+            c += units;
+        }
+        let mut partial = SharedMemory::<f32>::new(units);
+        partial[u] = acc;
+        sync_cube();
+        // `CUBE_DIM` (= `units`) at run time: the halving loop mutates it.
+        let mut stride = CUBE_DIM as usize / 2;
+        while stride > 0 {
+            if u < stride {
+                partial[u] += partial[u + stride];
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        let rms = (partial[0] / f32::cast_from(cols) + eps).sqrt();
+        let mut c = u;
+        while c < cols {
+            let normed = round::<S>(f32::cast_from(x[base + c]) / rms);
+            out[base + c] = S::cast_from(normed * f32::cast_from(weight[c]));
+            c += units;
+        }
+    }
+}
+
+/// One unit per element.
+#[cube(launch)]
+fn scaled_residual_kernel<S: Float>(
+    h: &Array<S>,
+    m: &Array<S>,
+    out: &mut Array<S>,
+    len: usize,
+    scale: f32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len {
+        let branch = round::<S>(f32::cast_from(m[i]) * scale);
+        out[i] = S::cast_from(f32::cast_from(h[i]) + branch);
     }
 }

@@ -51,6 +51,31 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// RMSNorm of each row of `x` `[rows, n]` with `weight` `[n]` (storage dtype),
+    /// `round(round(x / √(mean(x²) + eps)) · weight)` like [`crate::ops::norm::rms_norm`];
+    /// `Ok(None)` as [`FastOps::swiglu`].
+    fn rms_norm(
+        &self,
+        x: &Tensor<B, 2>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (x, weight, eps);
+        Ok(None)
+    }
+
+    /// `round(hidden + round(f32(branch) · scale))` for tensors of one shape (storage dtype):
+    /// the residual add of a scaled branch; `Ok(None)` as [`FastOps::swiglu`].
+    fn scaled_residual(
+        &self,
+        hidden: &Tensor<B, 2>,
+        branch: &Tensor<B, 2>,
+        scale: f64,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (hidden, branch, scale);
+        Ok(None)
+    }
+
     /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
     /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
     /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
@@ -140,7 +165,7 @@ mod cube {
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
     };
-    use sala_kernels::gates::{sigmoid_gate, swiglu};
+    use sala_kernels::gates::{rms_norm, scaled_residual, sigmoid_gate, swiglu};
 
     /// Without the tensor-core flash kernel (a head dimension it is not compiled for),
     /// sequences from this length on take the cuBLAS-blocked attention (2.3 s at 131072
@@ -202,25 +227,22 @@ mod cube {
         })
     }
 
-    /// A fused elementwise kernel of `sala_kernels::gates`: two inputs, one output, a length.
-    type BinaryKernel = fn(
-        &cubecl::prelude::ComputeClient<R>,
-        &cubecl::server::Handle,
-        &cubecl::server::Handle,
-        &cubecl::server::Handle,
-        usize,
-    ) -> std::result::Result<(), sala_kernels::KernelError>;
-
     /// A CUDA tensor of the backend `CubeBackend<R, F, I, BT>`.
     type CudaTensor<F, I, BT, const D: usize> = Tensor<CubeBackend<R, F, I, BT>, D>;
 
-    /// Runs the fused elementwise `kernel` on two bf16 tensors of one shape into a new one;
+    /// Runs the fused elementwise `kernel` (two inputs, one output, a length) on two bf16 tensors of one shape into a new one;
     /// `None` unless both are bf16.
     fn fused_bf16<F: FloatElement, I: IntElement, BT: BoolElement>(
         op: &'static str,
         a: &CudaTensor<F, I, BT, 2>,
         b: &CudaTensor<F, I, BT, 2>,
-        kernel: BinaryKernel,
+        kernel: impl Fn(
+            &cubecl::prelude::ComputeClient<R>,
+            &cubecl::server::Handle,
+            &cubecl::server::Handle,
+            &cubecl::server::Handle,
+            usize,
+        ) -> std::result::Result<(), sala_kernels::KernelError>,
     ) -> Result<Option<CudaTensor<F, I, BT, 2>>> {
         if a.dtype() != DType::BF16 || b.dtype() != DType::BF16 {
             return Ok(None);
@@ -318,6 +340,60 @@ mod cube {
             gate: &Tensor<CubeBackend<R, F, I, BT>, 2>,
         ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
             fused_bf16("sigmoid gate", x, gate, sigmoid_gate::<R, half::bf16>)
+        }
+
+        fn rms_norm(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            weight: &Tensor<CubeBackend<R, F, I, BT>, 1>,
+            eps: f64,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            if x.dtype() != DType::BF16 || weight.dtype() != DType::BF16 {
+                return Ok(None);
+            }
+            let ([rows, cols], [n]) = (x.dims(), weight.dims());
+            if n != cols {
+                return Err(ModelError::InvalidInput(format!(
+                    "rms norm of [{rows}, {cols}] rows with a [{n}] weight"
+                )));
+            }
+            let (x, weight) = (primitive(x.clone()), primitive(weight.clone()));
+            let out = x.client.empty(rows * cols * 2);
+            rms_norm::<R, half::bf16>(
+                &x.client,
+                &x.handle,
+                &weight.handle,
+                &out,
+                rows,
+                cols,
+                eps as f32,
+            )
+            .map_err(kernel_error("rms norm"))?;
+            let out = CubeTensor::new_contiguous(
+                x.client.clone(),
+                x.device.clone(),
+                [rows, cols].into(),
+                out,
+                DType::BF16,
+            );
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
+        fn scaled_residual(
+            &self,
+            hidden: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            branch: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            scale: f64,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            let scale = scale as f32;
+            fused_bf16(
+                "scaled residual",
+                hidden,
+                branch,
+                |client, h, m, out, len| {
+                    scaled_residual::<R, half::bf16>(client, h, m, out, len, scale)
+                },
+            )
         }
 
         fn linear(

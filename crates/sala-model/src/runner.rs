@@ -269,7 +269,7 @@ impl<B: Backend> LayerRunner<B> {
         }
         self.options.numerics.check_backend::<B>(&self.device)?;
         let dtype = self.storage_dtype();
-        let normed = self.norm(hidden.cast(dtype), final_norm.cast(dtype));
+        let normed = self.norm(hidden.cast(dtype), final_norm.cast(dtype))?;
         let scaled = self.round(to_f32(normed).div_scalar(self.config.logit_divisor()));
         Ok(to_f32(linear(
             scaled,
@@ -289,8 +289,27 @@ impl<B: Backend> LayerRunner<B> {
         Ok(())
     }
 
-    fn norm(&self, x: Tensor<B, 2>, weight: Tensor<B, 1>) -> Tensor<B, 2> {
-        rms_norm(x, weight, self.config.rms_norm_eps(), self.options.numerics)
+    /// RMSNorm of each row: the [`FastOps`] fused kernel where it has one, else the graph's.
+    fn norm(&self, x: Tensor<B, 2>, weight: Tensor<B, 1>) -> Result<Tensor<B, 2>> {
+        let eps = self.config.rms_norm_eps();
+        if let Some(fast) = &self.fast {
+            if let Some(normed) = fast.rms_norm(&x, &weight, eps)? {
+                return Ok(normed);
+            }
+        }
+        Ok(rms_norm(x, weight, eps, self.options.numerics))
+    }
+
+    /// `round(hidden + round(f32(branch) · residual_scale))`: the [`FastOps`] fused kernel
+    /// where it has one.
+    fn residual(&self, hidden: Tensor<B, 2>, branch: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        let scale = self.config.residual_scale();
+        if let Some(fast) = &self.fast {
+            if let Some(sum) = fast.scaled_residual(&hidden, &branch, scale)? {
+                return Ok(sum);
+            }
+        }
+        Ok(self.round(hidden + self.round(to_f32(branch).mul_scalar(scale))))
     }
 
     /// Checks `hidden` and that `weights` belong to a layer of this config.
@@ -339,7 +358,7 @@ impl<B: Backend> LayerRunner<B> {
         let a = self.norm(
             hidden,
             w.tensor("input_layernorm", [self.config.hidden_size()])?,
-        );
+        )?;
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| {
             Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
         };
@@ -447,20 +466,18 @@ impl<B: Backend> LayerRunner<B> {
             tap(&format!("{}.{name}", w.prefix), &x);
             self.linear(x, w.tensor(name, shape)?)
         };
-        let residual = self.config.residual_scale();
-
-        let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?);
+        let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?)?;
         let mixed = match weights.kind() {
             LayerKind::Minicpm4 => self.minicpm4(layer, a, lengths, &mut apply)?,
             LayerKind::Lightning => self.lightning(&w, a, lengths, &mut apply)?,
             LayerKind::Llama => self.llama(a, lengths, &mut apply)?,
         };
-        let h = self.round(hidden + self.round(to_f32(mixed).mul_scalar(residual)));
+        let h = self.residual(hidden, mixed)?;
 
         let m = self.norm(
             h.clone(),
             w.tensor("post_attention_layernorm", [hidden_size])?,
-        );
+        )?;
         let gate = apply("mlp.gate_proj", m.clone(), [inter, hidden_size])?;
         let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
         let act = self.swiglu(gate, up)?;
@@ -469,9 +486,7 @@ impl<B: Backend> LayerRunner<B> {
             return Ok(None);
         }
         let down = apply("mlp.down_proj", act, [hidden_size, inter])?;
-        Ok(Some(
-            self.round(h + self.round(to_f32(down).mul_scalar(residual))),
-        ))
+        Ok(Some(self.residual(h, down)?))
     }
 
     /// `x·wᵀ`: the [`FastOps`] product where it has one, else the graph's [`linear`].
@@ -599,7 +614,7 @@ impl<B: Backend> LayerRunner<B> {
         let (heads, d) = (dims.heads, dims.head_dim);
         let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
         let out = self.gla(q, k, v, lengths);
-        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?);
+        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?)?;
         let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
         let gated = self.sigmoid_gate(out, gate)?;
         apply("self_attn.o_proj", gated, [hidden, heads * d])
@@ -679,7 +694,7 @@ impl<B: Backend> LayerRunner<B> {
         let head_norm = |x: Tensor<B, 3>, name: &str| -> Result<Tensor<B, 3>> {
             let flat = x.reshape([tokens * heads, d]);
             Ok(self
-                .norm(flat, w.tensor(name, [d])?)
+                .norm(flat, w.tensor(name, [d])?)?
                 .reshape([tokens, heads, d]))
         };
         let rope = self.rope_tables(lengths, d)?;

@@ -6,7 +6,7 @@ use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::CubeElement;
 use cubecl::server::Handle;
 use half::bf16;
-use sala_kernels::gates::{sigmoid_gate, swiglu};
+use sala_kernels::gates::{rms_norm, scaled_residual, sigmoid_gate, swiglu};
 
 use crate::common::{client, Rng, TestRuntime};
 
@@ -147,4 +147,124 @@ fn short_buffers_are_refused() {
     let big = upload(&client, &[1.0f32; 8]);
     let err = swiglu::<TestRuntime, f32>(&client, &small, &big, &big, 8).unwrap_err();
     assert!(err.to_string().contains("swiglu"), "{err}");
+}
+
+/// The graph's RMSNorm of one row, rounding through `round` (identity or bf16).
+fn host_norm(x: &[f32], w: &[f32], eps: f32, round: fn(f32) -> f32) -> Vec<f32> {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let rms = (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, w)| round(round(v / rms) * w))
+        .collect()
+}
+
+#[test]
+fn f32_norm_and_residual_match_the_host_formulas() {
+    let Some(client) = client() else {
+        return;
+    };
+    let mut rng = Rng::new(63);
+    // Rows longer and shorter than a cube, a width that is no power of two.
+    for (rows, cols) in [(3, 4096), (37, 128), (5, 1000)] {
+        let x = inputs(&mut rng, rows * cols);
+        let w = inputs(&mut rng, cols);
+        let out = client.empty(rows * cols * 4);
+        rms_norm::<TestRuntime, f32>(
+            &client,
+            &upload(&client, &x),
+            &upload(&client, &w),
+            &out,
+            rows,
+            cols,
+            1e-6,
+        )
+        .unwrap();
+        let want: Vec<f32> = x
+            .chunks(cols)
+            .flat_map(|row| host_norm(row, &w, 1e-6, |v| v))
+            .collect();
+        let err = max_rel(&download::<f32>(&client, out), &want);
+        assert!(err < 1e-5, "rms norm {rows}×{cols}: {err:e}");
+    }
+    let n = 10_007;
+    let (h, m) = (inputs(&mut rng, n), inputs(&mut rng, n));
+    let out = client.empty(n * 4);
+    scaled_residual::<TestRuntime, f32>(
+        &client,
+        &upload(&client, &h),
+        &upload(&client, &m),
+        &out,
+        n,
+        0.125,
+    )
+    .unwrap();
+    let want: Vec<f32> = h.iter().zip(&m).map(|(h, m)| h + m * 0.125).collect();
+    let err = max_rel(&download::<f32>(&client, out), &want);
+    assert!(err < 1e-6, "scaled residual {err:e}");
+}
+
+#[test]
+fn bf16_norm_and_residual_round_where_the_graph_rounds() {
+    let Some(client) = client() else {
+        return;
+    };
+    if !client
+        .properties()
+        .supports_type(ElemType::Float(FloatKind::BF16))
+    {
+        return;
+    }
+    let mut rng = Rng::new(64);
+    let (rows, cols) = (64, 4096);
+    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<bf16>>();
+    let x = to_bf16(inputs(&mut rng, rows * cols));
+    let w = to_bf16(inputs(&mut rng, cols));
+    let out = client.empty(rows * cols * 2);
+    rms_norm::<TestRuntime, bf16>(
+        &client,
+        &upload(&client, &x),
+        &upload(&client, &w),
+        &out,
+        rows,
+        cols,
+        1e-6,
+    )
+    .unwrap();
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+    let want: Vec<f32> = xf
+        .chunks(cols)
+        .flat_map(|row| host_norm(row, &wf, 1e-6, round_bf16))
+        .collect();
+    let got: Vec<f32> = download::<bf16>(&client, out)
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    // Sums of squares in another order differ in the last f32 bits: a rounding of `x / rms`
+    // may flip by one bf16 step, which the weight scales (|w| < 40): 2⁻⁷ relative at most.
+    let err = max_rel(&got, &want);
+    assert!(err < 1e-2, "rms norm {err:e}");
+    let same = got.iter().zip(&want).filter(|(g, w)| g == w).count();
+    assert!(same * 100 > 99 * got.len(), "{same} of {} equal", got.len());
+
+    let n = 100_003;
+    let h = to_bf16(inputs(&mut rng, n));
+    let m = to_bf16(inputs(&mut rng, n));
+    let out = client.empty(n * 2);
+    scaled_residual::<TestRuntime, bf16>(
+        &client,
+        &upload(&client, &h),
+        &upload(&client, &m),
+        &out,
+        n,
+        0.3,
+    )
+    .unwrap();
+    let want: Vec<bf16> = h
+        .iter()
+        .zip(&m)
+        .map(|(h, m)| bf16::from_f32(h.to_f32() + round_bf16(m.to_f32() * 0.3)))
+        .collect();
+    assert_eq!(download::<bf16>(&client, out), want);
 }
