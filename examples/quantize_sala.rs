@@ -24,6 +24,11 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     sala_quant::allocator::reuse_freed_memory();
+    // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends.
+    if let Err(e) = sala_export::remove_staging_on_interrupt() {
+        eprintln!("error: cannot install the interrupt handler: {e}");
+        return ExitCode::FAILURE;
+    }
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -12,7 +12,7 @@ use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
 use sala_gptq::{
     LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
-    QuantPlan, QuantizeOptions, Recipe, Report, ResidentSolver, Sample, Stage,
+    QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage, StagedRun,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -143,7 +143,8 @@ pub struct Args {
     /// Skip (and report) samples whose forward pass fails instead of stopping.
     #[arg(long)]
     skip_failed_samples: bool,
-    /// Replace an existing output directory (once the new one is complete).
+    /// Replace an existing output directory, once the new one is complete and verified; only a
+    /// quantized checkpoint (or an empty directory) is replaced, anything else is refused.
     #[arg(long)]
     overwrite: bool,
     /// Print the plan and exit.
@@ -225,6 +226,14 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .calib_data
         .clone()
         .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
+    // Everything the commit would refuse, refused now: an existing output without --overwrite,
+    // one --overwrite may not replace, one another run is writing.
+    sala_export::check_output(
+        &output,
+        options.overwrite,
+        Some(&input),
+        &[&calib_path, &input],
+    )?;
     let bundled = args.input.is_none();
     let max_len = args.max_len.unwrap_or(if bundled { 2048 } else { 131_072 });
     let max_samples = args.max_samples.or((!bundled).then_some(96));
@@ -261,13 +270,6 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             line: s.line,
         })
         .collect();
-    if output.exists() && !options.overwrite {
-        return Err(format!(
-            "{}: the output directory exists (use --overwrite)",
-            output.display()
-        )
-        .into());
-    }
     let job = QuantizeJob {
         options,
         input: &input,
@@ -275,15 +277,21 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         samples: &samples,
         quiet: args.quiet,
     };
-    let report = dispatch(args.device, "quantize_sala", args.host_solver, job)?;
+    // The checkpoint is verified, and its report written, inside the staging directory; the
+    // commit (a rename) comes last, so a failure anywhere leaves the output as it was.
+    let StagedRun {
+        report,
+        mut checkpoint,
+    } = dispatch(args.device, "quantize_sala", args.host_solver, job)?;
     let json = serde_json::to_string_pretty(
         &serde_json::json!({ "report": &report, "calibration": &stats }),
     )?;
-    std::fs::write(output.join("quantization_report.json"), json)?;
+    checkpoint.write_file(sala_export::REPORT_FILE, json.as_bytes())?;
+    let written = checkpoint.commit()?;
     println!("{report}");
     println!(
         "report: {}",
-        output.join("quantization_report.json").display()
+        written.dir.join(sala_export::REPORT_FILE).display()
     );
     Ok(())
 }
@@ -298,7 +306,7 @@ struct QuantizeJob<'a> {
 }
 
 impl DeviceJob for QuantizeJob<'_> {
-    type Output = Report;
+    type Output = StagedRun;
 
     fn run<B: Backend>(
         self,
@@ -307,7 +315,7 @@ impl DeviceJob for QuantizeJob<'_> {
         solver: Box<dyn LinearSolver>,
         resident: Option<Arc<dyn ResidentSolver<B>>>,
         fast: Option<Arc<dyn FastOps<B>>>,
-    ) -> Result<Report, Box<dyn std::error::Error>> {
+    ) -> Result<StagedRun, Box<dyn std::error::Error>> {
         let mut pipeline = Pipeline::<B>::new(device, self.options).with_solver(solver);
         if let Some(resident) = resident {
             pipeline = pipeline.with_resident_solver(resident);
@@ -319,7 +327,7 @@ impl DeviceJob for QuantizeJob<'_> {
             pipeline = pipeline.with_fast_ops(fast);
         }
         let mut progress = Bars::new(self.quiet);
-        Ok(pipeline.run(self.input, self.output, self.samples, &mut progress)?)
+        Ok(pipeline.run_staged(self.input, self.output, self.samples, &mut progress)?)
     }
 }
 

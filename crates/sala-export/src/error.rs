@@ -35,7 +35,7 @@ pub enum ExportError {
         message: String,
     },
     /// The output directory exists and overwriting was not requested.
-    #[error("output directory {path} already exists (ask for overwrite to replace it)")]
+    #[error("output directory {path} already exists (use --overwrite to replace it)")]
     TargetExists {
         /// The requested output directory.
         path: PathBuf,
@@ -49,6 +49,26 @@ pub enum ExportError {
         target: PathBuf,
         /// The source model directory.
         source_dir: PathBuf,
+    },
+    /// The output exists but may not be replaced: it is not a checkpoint (no quantization
+    /// config, no `quantization_report.json`), it is a file or a symbolic link, or it holds the
+    /// working directory or another input of the run.
+    #[error("refusing to overwrite {path}: {reason}")]
+    NotReplaceable {
+        /// The requested output directory.
+        path: PathBuf,
+        /// Why it is kept.
+        reason: String,
+    },
+    /// Another run holds the lock on the same output.
+    #[error("{target}: another run is writing this output (lock file {lock} is held{holder}); wait for it to finish or choose another output")]
+    Locked {
+        /// The requested output directory.
+        target: PathBuf,
+        /// The lock file next to it.
+        lock: PathBuf,
+        /// ` by process N` when the lock file names its holder, else empty.
+        holder: String,
     },
     /// A tensor's byte length does not match its dtype and shape.
     #[error("tensor {tensor}: {dtype} {shape:?} needs {expected} bytes, got {actual}")]

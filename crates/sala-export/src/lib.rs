@@ -4,7 +4,11 @@
 //!
 //! - [`CheckpointWriter`] streams tensors (one layer at a time) into safetensors shards of a
 //!   bounded size inside a staging directory next to the target, then writes the index, the
-//!   config files and the source model's tokenizer files, and renames the directory into place.
+//!   config files and the source model's tokenizer files; the staged checkpoint can be verified
+//!   and given more files ([`StagedCheckpoint`]) before it is renamed into place. One output
+//!   is written by one run at a time (a lock), `overwrite` replaces only a checkpoint and only
+//!   once the new one is in place, and what interrupted runs leave is removed ([`StagedDir`],
+//!   [`remove_staging_on_interrupt`]).
 //!   It writes both layouts: AutoGPTQ v1 for `gptq_marlin` ([`CheckpointWriter::add_gptq_linear`])
 //!   and ModelOpt NVFP4 ([`CheckpointWriter::add_nvfp4_linear`]).
 //! - [`config`]: the quantization configs (GPTQ with `dynamic` mixed precision; NVFP4's
@@ -22,6 +26,7 @@
 pub mod compare;
 pub mod config;
 mod error;
+mod interrupt;
 pub mod layout;
 pub mod modules;
 mod reader;
@@ -33,12 +38,15 @@ mod writer;
 
 pub use config::{DynamicOverride, GptqConfig, ModulePrecision, Nvfp4Config, QuantizationConfig};
 pub use error::ExportError;
+pub use interrupt::remove_staging_on_interrupt;
 pub use reader::{Checkpoint, CheckpointFormat, DenseTensor};
 pub use safetensors::Dtype;
 pub use shards::{ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE};
-pub use staging::StagedDir;
+pub use staging::{check_output, is_checkpoint_dir, StagedDir, REPORT_FILE};
 pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
 pub use verify::{
     marlin_supports, verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,
 };
-pub use writer::{CheckpointWriter, LinearFormat, WriterOptions, WrittenCheckpoint, SIDE_FILES};
+pub use writer::{
+    CheckpointWriter, LinearFormat, StagedCheckpoint, WriterOptions, WrittenCheckpoint, SIDE_FILES,
+};

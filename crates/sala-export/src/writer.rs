@@ -1,6 +1,7 @@
 //! [`CheckpointWriter`]: streams passthrough tensors and quantized linears into shards inside a
-//! staging directory, then writes the index, the config files and the tokenizer files, and
-//! renames the directory into place. One writer serves both formats; the format is fixed by the
+//! staging directory, then writes the index, the config files and the tokenizer files
+//! ([`StagedCheckpoint`], which can be verified and given more files), and renames the
+//! directory into place. One writer serves both formats; the format is fixed by the
 //! first quantized linear and by the config given to [`CheckpointWriter::finish`].
 
 use std::fs;
@@ -41,7 +42,8 @@ pub struct WriterOptions {
     /// Maximum bytes of tensor data per shard (default 4 GB); a larger single tensor gets a
     /// shard of its own. Bounds the writer's memory.
     pub max_shard_bytes: u64,
-    /// Replace an existing output directory (only once the new one is complete).
+    /// Replace an existing output directory, only once the new one is complete and only if
+    /// it is a checkpoint or empty (see [`StagedDir`]).
     pub overwrite: bool,
     /// The source model directory: never written into, and where the tokenizer, chat
     /// template, generation config and `*.py` files are copied from.
@@ -99,7 +101,9 @@ pub struct CheckpointWriter {
 impl CheckpointWriter {
     /// Starts a checkpoint that will appear at `target`.
     ///
-    /// Fails if `target` exists (unless `overwrite`) or is the source model directory.
+    /// Fails if another run is writing `target`, if `target` exists (unless `overwrite`, and then
+    /// unless it is a checkpoint or empty), or if it is, holds or lies inside the source model
+    /// directory.
     pub fn create(target: impl AsRef<Path>, options: WriterOptions) -> Result<Self, ExportError> {
         let staged = StagedDir::create(
             target.as_ref(),
@@ -199,14 +203,26 @@ impl CheckpointWriter {
         Ok(())
     }
 
-    /// Completes the checkpoint: last shard, index, `config.json` (`model_config` with
-    /// `quantization_config` added), `quantize_config.json` (GPTQ) or `hf_quant_config.json`
-    /// (NVFP4), the source model's tokenizer files, then the rename into place.
+    /// Completes the checkpoint and renames it into place: [`finish_staged`](Self::finish_staged)
+    /// then [`StagedCheckpoint::commit`].
     pub fn finish(
         self,
         model_config: Value,
         quantization: &QuantizationConfig,
     ) -> Result<WrittenCheckpoint, ExportError> {
+        self.finish_staged(model_config, quantization)?.commit()
+    }
+
+    /// Completes the checkpoint inside the staging directory: last shard, index, `config.json`
+    /// (`model_config` with `quantization_config` added), `quantize_config.json` (GPTQ) or
+    /// `hf_quant_config.json` (NVFP4), the source model's tokenizer files. Nothing is renamed
+    /// yet: the result can be verified and given more files before the commit, and dropping it
+    /// removes everything.
+    pub fn finish_staged(
+        self,
+        model_config: Value,
+        quantization: &QuantizationConfig,
+    ) -> Result<StagedCheckpoint, ExportError> {
         let dir = self.staged.path().to_path_buf();
         self.check_config_matches(quantization)?;
         let layout = self.shards.finish()?;
@@ -215,15 +231,22 @@ impl CheckpointWriter {
             Some(source) => copy_side_files(source, &dir)?,
             None => Vec::new(),
         };
-        let final_dir = self.staged.commit()?;
-        Ok(WrittenCheckpoint {
-            dir: final_dir,
-            shards: layout.files,
-            tensors: layout.tensors,
-            tensor_bytes: layout.total_bytes,
-            quantized_linears: self.quantized_linears,
-            copied_files,
+        Ok(StagedCheckpoint {
+            written: WrittenCheckpoint {
+                dir: self.staged.target().to_path_buf(),
+                shards: layout.files,
+                tensors: layout.tensors,
+                tensor_bytes: layout.total_bytes,
+                quantized_linears: self.quantized_linears,
+                copied_files,
+            },
+            staged: self.staged,
         })
+    }
+
+    /// What was cleaned up when the writer started (see [`StagedDir::recovered`]).
+    pub fn recovered(&self) -> &[String] {
+        self.staged.recovered()
     }
 
     fn check_config_matches(&self, quantization: &QuantizationConfig) -> Result<(), ExportError> {
@@ -238,6 +261,63 @@ impl CheckpointWriter {
             }),
             _ => Ok(()),
         }
+    }
+}
+
+/// A complete checkpoint still in its staging directory: [`verify`](Self::verify) it, add
+/// files ([`write_file`](Self::write_file)), then [`commit`](Self::commit). Dropped without a
+/// commit, it is removed and the target is untouched.
+#[derive(Debug)]
+pub struct StagedCheckpoint {
+    staged: StagedDir,
+    written: WrittenCheckpoint,
+}
+
+impl StagedCheckpoint {
+    /// The staging directory that holds the checkpoint until the commit.
+    pub fn path(&self) -> &Path {
+        self.staged.path()
+    }
+
+    /// What was written; `dir` is where the checkpoint will be after the commit.
+    pub fn written(&self) -> &WrittenCheckpoint {
+        &self.written
+    }
+
+    /// Runs the verifier on the staged files.
+    pub fn verify(&self) -> Result<crate::VerifyReport, ExportError> {
+        crate::verify(self.staged.path())
+    }
+
+    /// Writes one more file (e.g. a run report) into the checkpoint; `name` must be a plain file
+    /// name that the checkpoint does not hold yet. The file is synced to disk, so a full disk
+    /// fails here, naming the file, and not after the commit.
+    pub fn write_file(&mut self, name: &str, bytes: &[u8]) -> Result<(), ExportError> {
+        use std::io::Write;
+        let plain = Path::new(name).file_name().is_some_and(|n| n == name);
+        let path = self.staged.path().join(name);
+        if !plain || path.exists() {
+            return Err(ExportError::Io {
+                path,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "not a new plain file name in the checkpoint",
+                ),
+            });
+        }
+        let mut file = fs::File::create(&path).map_err(ExportError::io(&path))?;
+        file.write_all(bytes)
+            .and_then(|()| file.sync_all())
+            .map_err(ExportError::io(&path))
+    }
+
+    /// Renames the checkpoint into place (see [`StagedDir::commit`]).
+    pub fn commit(self) -> Result<WrittenCheckpoint, ExportError> {
+        let dir = self.staged.commit()?;
+        Ok(WrittenCheckpoint {
+            dir,
+            ..self.written
+        })
     }
 }
 

@@ -48,7 +48,7 @@ pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
 pub use options::{GptqOptions, QuantizeOptions, DEFAULT_PACK_TOKENS};
 pub use packing::pack_samples;
-pub use pipeline::Pipeline;
+pub use pipeline::{Pipeline, StagedRun};
 pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
 };

@@ -1,6 +1,7 @@
 //! A whole quantization into a checkpoint: open the model, plan, then the per-layer
 //! [`LayerEngine`] over the checkpoint's weights into a [`CheckpointWriter`], then the global
-//! tensors, the quantization config and the verifier.
+//! tensors, the quantization config and the verifier, all inside the staging directory; the
+//! commit (a rename) comes last.
 
 pub use crate::engine::Sample;
 use crate::engine::{LayerEngine, MemoryProbe};
@@ -12,7 +13,9 @@ use crate::progress::Progress;
 use crate::report::{peak_rss_bytes, Report};
 use crate::resident::ResidentSolver;
 use burn::tensor::backend::Backend;
-use sala_export::{CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, WriterOptions};
+use sala_export::{
+    CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, StagedCheckpoint, WriterOptions,
+};
 use sala_hessian::solver::{CpuSolver, LinearSolver};
 use sala_model::{FastOps, LayerRunner, SalaConfig, TensorStore};
 use std::collections::BTreeMap;
@@ -84,7 +87,9 @@ impl<B: Backend> Pipeline<B> {
         self.solver.name()
     }
 
-    /// Quantizes the model in `input` with `samples` and writes the checkpoint to `output`.
+    /// Quantizes the model in `input` with `samples` and writes the checkpoint to `output`,
+    /// with the run report as [`sala_export::REPORT_FILE`]: [`run_staged`](Self::run_staged),
+    /// the report written into the staging directory, then the commit.
     ///
     /// On any error the output directory is absent (or, with `overwrite`, the old one intact).
     pub fn run(
@@ -94,6 +99,35 @@ impl<B: Backend> Pipeline<B> {
         samples: &[Sample],
         progress: &mut dyn Progress,
     ) -> Result<Report, PipelineError> {
+        let StagedRun {
+            report,
+            mut checkpoint,
+        } = self.run_staged(input, output, samples, progress)?;
+        let json =
+            serde_json::to_vec_pretty(&serde_json::json!({ "report": &report })).map_err(|e| {
+                PipelineError::Io {
+                    path: checkpoint.path().join(sala_export::REPORT_FILE),
+                    message: e.to_string(),
+                }
+            })?;
+        checkpoint.write_file(sala_export::REPORT_FILE, &json)?;
+        checkpoint.commit()?;
+        Ok(report)
+    }
+
+    /// Quantizes the model in `input` with `samples` into a verified checkpoint that is still
+    /// in its staging directory next to `output`: the caller adds files (a report) and commits
+    /// it ([`StagedCheckpoint::commit`]), or drops it and nothing is left.
+    ///
+    /// The verifier runs on the staged files: a checkpoint that fails it is removed and the
+    /// output (absent, or with `overwrite` the old one) is untouched.
+    pub fn run_staged(
+        &self,
+        input: &Path,
+        output: &Path,
+        samples: &[Sample],
+        progress: &mut dyn Progress,
+    ) -> Result<StagedRun, PipelineError> {
         let started = Instant::now();
         if samples.is_empty() {
             return Err(PipelineError::NoSamples(
@@ -121,6 +155,9 @@ impl<B: Backend> Pipeline<B> {
                 source_model: Some(input.to_path_buf()),
             },
         )?;
+        for line in writer.recovered() {
+            progress.message(line);
+        }
         let runner = with_fast(
             LayerRunner::<B>::new(config.clone(), self.device.clone(), self.options.run),
             self.fast.clone(),
@@ -150,16 +187,16 @@ impl<B: Backend> Pipeline<B> {
         write_globals(&store, &config, &mut writer)?;
         let model_config = sala_export::config::read_json(&input.join("config.json"))?;
         let quantization = quantization_config(&plan, &self.options);
-        let written = writer.finish(model_config, &quantization)?;
-        let verdict = sala_export::verify(&written.dir)?;
+        let checkpoint = writer.finish_staged(model_config, &quantization)?;
+        let verdict = checkpoint.verify()?;
         if !verdict.is_ok() {
-            let text = verdict.to_string();
-            let _ = std::fs::remove_dir_all(&written.dir);
-            return Err(PipelineError::Verify(text));
+            // Dropping the staged checkpoint removes it; the output was never touched.
+            return Err(PipelineError::Verify(verdict.to_string()));
         }
+        let written = checkpoint.written().clone();
         progress.finish();
         let totals = engine.totals();
-        Ok(Report {
+        let report = Report {
             recipe: match plan.recipe {
                 Recipe::Gptq => "gptq".into(),
                 Recipe::Nvfp4 => "nvfp4".into(),
@@ -187,8 +224,19 @@ impl<B: Backend> Pipeline<B> {
                 verdict.summary.tensor_bytes as f64 / 1e6,
                 verdict.summary.bits_per_quantized_weight()
             ),
-        })
+        };
+        Ok(StagedRun { report, checkpoint })
     }
+}
+
+/// What [`Pipeline::run_staged`] produced: the report, and the verified checkpoint still in its
+/// staging directory.
+#[derive(Debug)]
+pub struct StagedRun {
+    /// The run report (its `output` is where the checkpoint will be after the commit).
+    pub report: Report,
+    /// The checkpoint, to be committed (or dropped, which removes it).
+    pub checkpoint: StagedCheckpoint,
 }
 
 /// Embedding, final norm and `lm_head`, byte for byte.
