@@ -15,6 +15,7 @@
 //! | `g-idx` | `g_idx` in range, and `k / group_size` when `desc_act` is false |
 //! | `sym-zeros` | symmetric GPTQ: every v1 zero is `2^(bits−1) − 1` (`0x77777777` at 4 bits) |
 //! | `exclusions` | 16-bit decoder linears are declared (`-:` dynamic rule, `exclude_modules`) and quantized ones are not |
+//! | `finite-tensors` | every floating-point tensor outside the quantized linears (embedding, norms, `lm_head`, 16-bit linears) is free of NaN / Inf |
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -78,6 +79,8 @@ pub enum Rule {
     SymZeros,
     /// 16-bit linears declared, quantized ones not excluded.
     Exclusions,
+    /// No NaN / Inf in the tensors copied rather than quantized.
+    FiniteTensors,
 }
 
 impl Rule {
@@ -96,6 +99,7 @@ impl Rule {
             Rule::GIdx => "g-idx",
             Rule::SymZeros => "sym-zeros",
             Rule::Exclusions => "exclusions",
+            Rule::FiniteTensors => "finite-tensors",
         }
     }
 }
@@ -282,6 +286,25 @@ impl Verifier<'_> {
             }
         }
         self.check_fused_precision(&linears);
+        self.check_finite_tensors(&linears);
+    }
+
+    /// Every floating-point tensor that belongs to no quantized linear: no NaN, no infinity.
+    fn check_finite_tensors(&mut self, linears: &[(String, LinearFormat)]) {
+        let owned = quantized_tensor_names(self.ck, linears);
+        let mut found = Vec::new();
+        for name in self.ck.tensor_names().filter(|n| !owned.contains(*n)) {
+            let Ok(view) = self.ck.tensor(name) else {
+                continue;
+            };
+            if let Some(index) = first_non_finite(view.data(), view.dtype()) {
+                found.push((name.to_string(), index));
+            }
+        }
+        for (name, index) in found {
+            let detail = format!("NaN or infinity at flat index {index}");
+            self.push(Rule::FiniteTensors, name, detail);
+        }
     }
 
     // ---------------------------------------------------------------- GPTQ
@@ -881,6 +904,48 @@ fn describe(storage: Option<Storage>) -> String {
         Some(Storage::Quantized(bits)) => format!("{bits}-bit"),
         Some(Storage::Dense) => "16-bit".to_string(),
         None => "absent".to_string(),
+    }
+}
+
+/// The tensors of the quantized linears (codes, scales, zeros, `g_idx`).
+fn quantized_tensor_names(ck: &Checkpoint, linears: &[(String, LinearFormat)]) -> BTreeSet<String> {
+    linears
+        .iter()
+        .flat_map(|(module, format)| {
+            let suffixes = match format {
+                LinearFormat::Gptq => [GPTQ_QWEIGHT, GPTQ_QZEROS, GPTQ_SCALES, GPTQ_G_IDX],
+                LinearFormat::Nvfp4 => [
+                    NVFP4_WEIGHT,
+                    NVFP4_WEIGHT_SCALE,
+                    NVFP4_WEIGHT_SCALE_2,
+                    NVFP4_INPUT_SCALE,
+                ],
+            };
+            suffixes.map(|suffix| tensor_name(module, suffix))
+        })
+        .filter(|name| ck.contains(name))
+        .collect()
+}
+
+/// Index of the first NaN or infinity among the little-endian values of `dtype` (an all-ones
+/// exponent); `None` if there is none or the dtype is not a float.
+fn first_non_finite(bytes: &[u8], dtype: Dtype) -> Option<usize> {
+    let u16s = |mask: u16| {
+        bytes
+            .chunks_exact(2)
+            .position(move |b| u16::from_le_bytes([b[0], b[1]]) & mask == mask)
+    };
+    match dtype {
+        Dtype::BF16 => u16s(0x7f80),
+        Dtype::F16 => u16s(0x7c00),
+        Dtype::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        Dtype::F64 => bytes.chunks_exact(8).position(|b| {
+            let bits = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            bits & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }),
+        _ => None,
     }
 }
 

@@ -365,3 +365,49 @@ fn exclusions_rule() {
         "model.layers.1.mlp.down_proj",
     );
 }
+
+#[test]
+fn finite_tensors_rule() {
+    // A NaN in the embedding (copied, not quantized) and an infinity in a linear kept in bf16.
+    for format in [Format::Gptq, Format::Nvfp4] {
+        let (_root, dir) = fixture(format, &[O1], |module, linear| {
+            if let (O1, Linear::Dense(w, ..)) = (module, linear) {
+                w[3] = f32::INFINITY;
+            }
+        });
+        let report = verify(&dir).unwrap();
+        assert!(
+            report.has(Rule::FiniteTensors, &format!("{O1}.weight")),
+            "{:#?}",
+            report.violations
+        );
+        assert_eq!(report.violations.len(), 1, "{:#?}", report.violations);
+    }
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("ckpt");
+    let mut writer = CheckpointWriter::create(&target, Default::default()).unwrap();
+    for (name, shape, mut values) in passthrough(7) {
+        if name == "model.embed_tokens.weight" {
+            values[HIDDEN + 2] = f32::NAN;
+        }
+        writer.add_f32(&name, Dtype::BF16, &shape, &values).unwrap();
+    }
+    for (module, linear) in build_linears(Format::Gptq, &[], 7) {
+        write_linear(&mut writer, &module, &linear);
+    }
+    let staged = writer
+        .finish_staged(model_config(), &quant_config(Format::Gptq, &[]))
+        .unwrap();
+    let report = staged.verify().unwrap();
+    assert_only(&report, Rule::FiniteTensors, "model.embed_tokens.weight");
+    assert!(report
+        .to_string()
+        .contains(&format!("index {}", HIDDEN + 2)));
+    // Never committed: dropping the staged checkpoint leaves nothing.
+    drop(staged);
+    assert!(
+        entries(root.path()).is_empty(),
+        "{:?}",
+        entries(root.path())
+    );
+}

@@ -139,6 +139,7 @@ impl<B: Backend> Pipeline<B> {
         store.check_config(&config)?;
         let plan = QuantPlan::build(&config, &self.options.plan)?;
         self.options.check(&plan)?;
+        check_copied_finite(&store, &config, &plan)?;
         if plan
             .get("lm_head")
             .is_some_and(|l| l.treatment.is_quantized())
@@ -237,6 +238,27 @@ pub struct StagedRun {
     pub report: Report,
     /// The checkpoint, to be committed (or dropped, which removes it).
     pub checkpoint: StagedCheckpoint,
+}
+
+/// Refuses, before any compute, a NaN or an infinity in a tensor the checkpoint copies rather
+/// than quantizes (the quantized linears are refused when their layer loads them): the
+/// embedding, the final norm, `lm_head`, every norm weight and every linear kept in 16 bits.
+fn check_copied_finite(
+    store: &TensorStore,
+    config: &SalaConfig,
+    plan: &QuantPlan,
+) -> Result<(), PipelineError> {
+    let quantized: std::collections::HashSet<String> = plan
+        .quantized()
+        .map(|l| format!("{}.weight", l.name))
+        .collect();
+    let layer_specs = (0..config.num_layers()).flat_map(|l| config.layer_tensor_specs(l));
+    for spec in config.global_tensor_specs().into_iter().chain(layer_specs) {
+        if !quantized.contains(&spec.name) {
+            store.check_finite(&spec.name)?;
+        }
+    }
+    Ok(())
 }
 
 /// Embedding, final norm and `lm_head`, byte for byte.

@@ -251,6 +251,23 @@ impl TensorStore {
         }
     }
 
+    /// Refuses tensor `name` if it holds a NaN or an infinity (naming the tensor, its shard and
+    /// the first such element). Scans the stored bits without decoding, then releases the pages
+    /// it read; dtypes other than BF16, F16, F32 and F64 pass.
+    pub fn check_finite(&self, name: &str) -> Result<()> {
+        let e = self.entry(name)?;
+        let found = first_non_finite(self.raw_bytes(name)?, e.dtype);
+        self.release(name);
+        match found {
+            None => Ok(()),
+            Some(index) => Err(ModelError::NonFinite {
+                path: self.shards[e.shard].path.clone(),
+                tensor: name.to_owned(),
+                index,
+            }),
+        }
+    }
+
     /// Checks that every tensor in `specs` exists with the expected shape and a float dtype.
     pub fn check_specs(&self, specs: &[TensorSpec]) -> Result<()> {
         for spec in specs {
@@ -319,6 +336,27 @@ fn is_plain_relative(file: &str) -> bool {
             .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
 }
 
+/// Index of the first NaN or infinity among the little-endian values of `dtype` in `bytes`
+/// (an all-ones exponent); `None` if there is none or the dtype is not a float.
+pub fn first_non_finite(bytes: &[u8], dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        Dtype::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        Dtype::F64 => bytes.chunks_exact(8).position(|b| {
+            let bits = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            bits & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }),
+        _ => None,
+    }
+}
+
 /// Little-endian BF16 / F16 / F32 bytes to f32; `None` for other dtypes.
 pub(crate) fn decode_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
     let pairs = || {
@@ -336,5 +374,40 @@ pub(crate) fn decode_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
                 .collect(),
         ),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_values_are_found_in_every_float_dtype() {
+        let bf = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+        let bytes: Vec<u8> = [1.0, -2.0, f32::NAN, 3.0]
+            .iter()
+            .flat_map(|&v| bf(v))
+            .collect();
+        assert_eq!(first_non_finite(&bytes, Dtype::BF16), Some(2));
+        let h = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+        let bytes: Vec<u8> = [1.0, f32::INFINITY].iter().flat_map(|&v| h(v)).collect();
+        assert_eq!(first_non_finite(&bytes, Dtype::F16), Some(1));
+        let bytes: Vec<u8> = [f32::NEG_INFINITY, 0.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(first_non_finite(&bytes, Dtype::F32), Some(0));
+        let bytes: Vec<u8> = [0.5f64, f64::NAN]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(first_non_finite(&bytes, Dtype::F64), Some(1));
+        // The largest finite values are not flagged.
+        let bytes: Vec<u8> = [f32::MAX, -f32::MAX]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(first_non_finite(&bytes, Dtype::F32), None);
+        assert_eq!(first_non_finite(&[0xff; 4], Dtype::I32), None);
     }
 }
