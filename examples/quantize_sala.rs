@@ -18,22 +18,8 @@
 //! target/release/examples/quantize_sala --device cuda --input MODEL_DIR --output OUT_DIR
 //! ```
 
-use clap::Parser;
-use sala_quant::quantize_cli::{run, Args};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    sala_quant::allocator::reuse_freed_memory();
-    // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends.
-    if let Err(e) = sala_export::remove_staging_on_interrupt() {
-        eprintln!("error: cannot install the interrupt handler: {e}");
-        return ExitCode::FAILURE;
-    }
-    match run(Args::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    sala_quant::quantize_cli::main(std::env::args_os())
 }

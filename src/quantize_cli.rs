@@ -14,7 +14,9 @@ use sala_gptq::{
     LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
     QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage, StagedRun,
 };
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]
@@ -181,6 +183,43 @@ pub enum CoverageArg {
 pub enum GridArg {
     Ist,
     Absmax7,
+}
+
+/// The whole `quantize_sala` binary: process settings (allocator, interrupt handler), flags
+/// from `argv` (its first item is the program name), [`run`], and the error on standard error.
+/// Exit status 0 on success, 1 on an error, 2 on a usage error.
+pub fn main<I, T>(argv: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    crate::allocator::reuse_freed_memory();
+    // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends.
+    if let Err(e) = sala_export::remove_staging_on_interrupt() {
+        return fail(&format!("cannot install the interrupt handler: {e}"));
+    }
+    let args = match Args::try_parse_from(argv) {
+        Ok(args) => args,
+        Err(e) => {
+            // --help and --version go to standard output, usage errors to standard error.
+            let _ = e.print();
+            return match e.use_stderr() {
+                true => ExitCode::from(2),
+                false => ExitCode::SUCCESS,
+            };
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e.to_string()),
+    }
+}
+
+/// Prints `error: <message>` (even to a closed standard error, without panicking); status 1.
+fn fail(message: &str) -> ExitCode {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "error: {message}");
+    ExitCode::FAILURE
 }
 
 /// Runs the command: plan, calibration, quantization, report. Errors are one line each.

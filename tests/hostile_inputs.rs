@@ -1,0 +1,449 @@
+//! Hostile and faulty inputs against `quantize_sala`, each run as a real child process: the
+//! test binary re-executes itself as the command (`SALA_HOSTILE_CHILD` set: its `main` is the
+//! command's), so exit statuses, signals, closed streams and leftover files are what a user
+//! would see.
+//!
+//! Every case asserts the exit status, an error that names the file, tensor, line or option at
+//! fault, no panic, that a previous output (where there is one) is intact, and that no staging
+//! directory, lock file or moved-aside output is left next to the output.
+//!
+//! `cargo test --test hostile_inputs [FILTER]` runs the cases whose name contains FILTER.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Set in the environment of a child: run the command instead of the cases.
+const CHILD: &str = "SALA_HOSTILE_CHILD";
+
+fn main() -> ExitCode {
+    if std::env::var_os(CHILD).is_some() {
+        return sala_quant::quantize_cli::main(std::env::args_os());
+    }
+    run_cases()
+}
+
+// ------------------------------------------------------------------------------------------
+// The runner: every case in a worker thread (two at a time), a panic is a failure.
+
+type Case = (&'static str, fn());
+
+fn run_cases() -> ExitCode {
+    // Cargo passes libtest flags (`--quiet`, `--test-threads`…); the first plain word filters.
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let cases: Vec<Case> = CASES
+        .iter()
+        .copied()
+        .filter(|(name, _)| filter.as_ref().is_none_or(|f| name.contains(f.as_str())))
+        .collect();
+    println!("running {} hostile-input cases", cases.len());
+    let next = AtomicUsize::new(0);
+    let failures = Mutex::new(Vec::new());
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(&(name, case)) = cases.get(i) else {
+                    break;
+                };
+                let t = Instant::now();
+                let result = std::panic::catch_unwind(case);
+                let secs = t.elapsed().as_secs_f64();
+                match result {
+                    Ok(()) => println!("case {name} ... ok ({secs:.1} s)"),
+                    Err(panic) => {
+                        let message = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        println!("case {name} ... FAILED ({secs:.1} s)");
+                        failures.lock().unwrap().push((name, message));
+                    }
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap();
+    for (name, message) in &failures {
+        println!("\n---- {name} ----\n{message}");
+    }
+    println!(
+        "\nhostile inputs: {} passed, {} failed in {:.0} s",
+        cases.len() - failures.len(),
+        failures.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Running the command.
+
+/// What a child run left.
+struct Run {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "status {:?}\n--- stdout (tail) ---\n{}\n--- stderr ---\n{}",
+            self.status,
+            tail(&self.stdout),
+            self.stderr
+        )
+    }
+}
+
+fn tail(text: &str) -> &str {
+    let start = text.len().saturating_sub(2000);
+    let start = (start..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len());
+    &text[start..]
+}
+
+/// The command, as a child process of this binary, in `cwd`.
+fn command(args: &[OsString], cwd: &Path) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("own executable"));
+    cmd.env(CHILD, "1")
+        .env_remove("RUST_BACKTRACE")
+        .args(args)
+        .current_dir(cwd)
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// Runs `cmd` with stdout and stderr in files of `dir` (no pipe can fill up), killing it after
+/// `limit`.
+fn finish(mut cmd: Command, dir: &Path, limit: Duration) -> Run {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let out_path = dir.join(format!("stdout-{n}.txt"));
+    let err_path = dir.join(format!("stderr-{n}.txt"));
+    cmd.stdout(fs::File::create(&out_path).unwrap())
+        .stderr(fs::File::create(&err_path).unwrap());
+    let mut child = cmd.spawn().expect("the child starts");
+    let status = wait(&mut child, limit);
+    let run = Run {
+        status,
+        stdout: fs::read_to_string(&out_path).unwrap_or_default(),
+        stderr: fs::read_to_string(&err_path).unwrap_or_default(),
+    };
+    let _ = fs::remove_file(out_path);
+    let _ = fs::remove_file(err_path);
+    run
+}
+
+fn wait(child: &mut std::process::Child, limit: Duration) -> ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the command ran longer than {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn os(args: &[&str]) -> Vec<OsString> {
+    args.iter().map(OsString::from).collect()
+}
+
+// ------------------------------------------------------------------------------------------
+// Fixtures: a private copy of the tiny model, a small calibration file, an output path.
+
+/// One case's files, removed at the end.
+struct Env {
+    root: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Self {
+        Self {
+            root: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.path().join(name)
+    }
+
+    /// The output path (`<root>/out`).
+    fn out(&self) -> PathBuf {
+        self.path("out")
+    }
+
+    /// A copy of `fixtures/tiny-sala` in `<root>/model` (made on first use).
+    fn model(&self) -> PathBuf {
+        let model = self.path("model");
+        if !model.exists() {
+            copy_dir(&sala_quant::fixtures_dir().join("tiny-sala"), &model);
+        }
+        model
+    }
+
+    /// A two-record calibration file `<root>/calib.jsonl` (made on first use).
+    fn calib(&self) -> PathBuf {
+        let calib = self.path("calib.jsonl");
+        if !calib.exists() {
+            fs::write(
+                &calib,
+                "{\"text\": \"The quick brown fox jumps over the lazy dog.\"}\n\
+                 {\"question\": \"What is the rubbish outside a fort for?\"}\n",
+            )
+            .unwrap();
+        }
+        calib
+    }
+
+    /// The usual flags: the private model and calibration, one short sample, one thread, the
+    /// output `<root>/out`; then `extra`.
+    fn args(&self, extra: &[&str]) -> Vec<OsString> {
+        let mut args: Vec<OsString> = vec![
+            "--quiet".into(),
+            "--input".into(),
+            self.model().into(),
+            "--calib-data".into(),
+            self.calib().into(),
+            "--output".into(),
+            self.out().into(),
+            "--max-samples".into(),
+            "1".into(),
+            "--max-len".into(),
+            "16".into(),
+            "--threads".into(),
+            "1".into(),
+        ];
+        args.extend(os(extra));
+        args
+    }
+
+    /// Runs the command with [`Env::args`] and `extra`, in the case's directory.
+    fn quantize(&self, extra: &[&str]) -> Run {
+        self.run_args(&self.args(extra))
+    }
+
+    /// Runs the command with exactly `args`, in the case's directory.
+    fn run_args(&self, args: &[OsString]) -> Run {
+        let cmd = command(args, self.root.path());
+        finish(cmd, self.root.path(), Duration::from_secs(240))
+    }
+
+    /// A directory that passes for a previous checkpoint of this tool at `<root>/out`, with
+    /// its contents.
+    fn previous_output(&self) -> Snapshot {
+        let out = self.out();
+        fs::create_dir_all(&out).unwrap();
+        fs::write(out.join("quantization_report.json"), "{\"report\": {}}").unwrap();
+        fs::write(out.join("config.json"), "{\"quantization_config\": {}}").unwrap();
+        fs::write(out.join("model.safetensors"), b"previous weights").unwrap();
+        Snapshot::of(&out)
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// Every file under a directory with its bytes.
+#[derive(Debug, PartialEq)]
+struct Snapshot(BTreeMap<PathBuf, Vec<u8>>);
+
+impl Snapshot {
+    fn of(dir: &Path) -> Self {
+        let mut files = BTreeMap::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for entry in fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else {
+                    let rel = path.strip_prefix(dir).unwrap().to_path_buf();
+                    files.insert(rel, fs::read(&path).unwrap());
+                }
+            }
+        }
+        Snapshot(files)
+    }
+
+    fn assert_intact(&self, dir: &Path) {
+        let now = Snapshot::of(dir);
+        let names = |s: &Snapshot| s.0.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(&now), names(self), "{} changed", dir.display());
+        assert!(*self == now, "{}: a file's content changed", dir.display());
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Assertions.
+
+/// No panic, exit status 1, `error: …` on stderr naming every needle.
+fn assert_refused(run: &Run, needles: &[&str]) {
+    assert_no_panic(run);
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "expected exit status 1: {run:?}"
+    );
+    assert!(run.stderr.contains("error: "), "no error line: {run:?}");
+    for needle in needles {
+        assert!(
+            run.stderr.contains(needle),
+            "the error lacks {needle:?}: {run:?}"
+        );
+    }
+}
+
+fn assert_no_panic(run: &Run) {
+    assert!(
+        !run.stderr.contains("panicked") && !run.stderr.contains("RUST_BACKTRACE"),
+        "a panic: {run:?}"
+    );
+    assert_ne!(run.status.code(), Some(101), "a panic: {run:?}");
+}
+
+fn assert_ok(run: &Run) {
+    assert_no_panic(run);
+    assert!(run.status.success(), "expected success: {run:?}");
+}
+
+/// Nothing next to `out` but `out` itself (if present) and what `keep` names.
+fn assert_no_debris(out: &Path) {
+    let parent = out.parent().unwrap();
+    let debris: Vec<String> = fs::read_dir(parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".partial-") || n.contains(".replaced-") || n.ends_with(".lock"))
+        .collect();
+    assert!(debris.is_empty(), "left next to the output: {debris:?}");
+}
+
+/// The output was not written (and nothing else next to it).
+fn assert_nothing_written(out: &Path) {
+    assert!(!out.exists(), "{} was written", out.display());
+    assert_no_debris(out);
+}
+
+// ------------------------------------------------------------------------------------------
+// Editing model files.
+
+/// Overwrites element `index` of tensor `tensor` in the shard `file` with `bytes`.
+fn poke(file: &Path, tensor: &str, index: usize, bytes: &[u8]) {
+    let mut data = fs::read(file).unwrap();
+    let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&data).unwrap();
+    let info = metadata.info(tensor).expect("tensor in the shard");
+    let elem = info.dtype.bitsize() / 8;
+    assert_eq!(elem, bytes.len(), "{tensor}: {:?}", info.dtype);
+    let at = 8 + header_len + info.data_offsets.0 + index * elem;
+    data[at..at + elem].copy_from_slice(bytes);
+    fs::write(file, data).unwrap();
+}
+
+const BF16_NAN: [u8; 2] = [0xc0, 0x7f];
+const BF16_INF: [u8; 2] = [0x80, 0x7f];
+
+// ------------------------------------------------------------------------------------------
+// Class 3: NaN / Inf in tensors copied rather than quantized.
+
+fn nan_in_copied_tensor(tensor: &str, index: usize, value: [u8; 2], extra: &[&str]) {
+    let env = Env::new();
+    let model = env.model();
+    poke(&model.join("model.safetensors"), tensor, index, &value);
+    let previous = env.previous_output();
+    let mut flags = vec!["--overwrite"];
+    flags.extend_from_slice(extra);
+    let run = env.quantize(&flags);
+    assert_refused(&run, &[tensor, "model.safetensors", "non-finite"]);
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn nan_in_the_embedding() {
+    nan_in_copied_tensor("model.embed_tokens.weight", 5 * 256 + 7, BF16_NAN, &[]);
+}
+
+fn inf_in_the_final_norm() {
+    nan_in_copied_tensor("model.norm.weight", 3, BF16_INF, &[]);
+}
+
+fn nan_in_lm_head() {
+    nan_in_copied_tensor("lm_head.weight", 2047 * 256, BF16_NAN, &[]);
+}
+
+fn nan_in_a_layer_norm() {
+    nan_in_copied_tensor(
+        "model.layers.6.post_attention_layernorm.weight",
+        0,
+        BF16_NAN,
+        &[],
+    );
+}
+
+fn nan_in_a_linear_kept_in_16_bits() {
+    nan_in_copied_tensor(
+        "model.layers.4.mlp.down_proj.weight",
+        77,
+        BF16_INF,
+        &["--exclude", "model.layers.4.mlp"],
+    );
+}
+
+/// The same NaN in a quantized linear is refused too (as it was), naming the tensor.
+fn nan_in_a_quantized_linear() {
+    let env = Env::new();
+    let tensor = "model.layers.2.mlp.up_proj.weight";
+    poke(&env.model().join("model.safetensors"), tensor, 9, &BF16_NAN);
+    let run = env.quantize(&[]);
+    assert_refused(&run, &[tensor]);
+    assert_nothing_written(&env.out());
+}
+
+/// A good run, for reference: exit 0, a verified checkpoint with its report, nothing else.
+fn a_good_run_commits_a_verified_checkpoint_with_its_report() {
+    let env = Env::new();
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    let out = env.out();
+    assert!(out.join("quantization_report.json").is_file(), "{run:?}");
+    assert!(sala_export::verify(&out).unwrap().is_ok());
+    assert_no_debris(&out);
+}
+
+const CASES: &[Case] = &[
+    (
+        "a_good_run_commits_a_verified_checkpoint_with_its_report",
+        a_good_run_commits_a_verified_checkpoint_with_its_report,
+    ),
+    ("nan_in_the_embedding", nan_in_the_embedding),
+    ("inf_in_the_final_norm", inf_in_the_final_norm),
+    ("nan_in_lm_head", nan_in_lm_head),
+    ("nan_in_a_layer_norm", nan_in_a_layer_norm),
+    (
+        "nan_in_a_linear_kept_in_16_bits",
+        nan_in_a_linear_kept_in_16_bits,
+    ),
+    ("nan_in_a_quantized_linear", nan_in_a_quantized_linear),
+];
