@@ -275,6 +275,7 @@ impl SalaConfig {
         };
         check_common(&raw).map_err(&bad)?;
         let attention = softmax_heads(&raw).map_err(&bad)?;
+        check_sizes(&raw, &attention).map_err(&bad)?;
         let (kinds, lightning) = match arch {
             ModelArch::Llama => (vec![LayerKind::Llama; raw.num_hidden_layers], None),
             ModelArch::MiniCpmSala => {
@@ -521,6 +522,49 @@ fn check_common(raw: &HfConfig) -> Check {
             "rope_theta must be positive, got {}",
             raw.rope_theta
         ));
+    }
+    Ok(())
+}
+
+/// The most decoder layers a config may declare (the released model has 32).
+pub const MAX_LAYERS: usize = 4096;
+
+/// Every size the model derives from the config, computed with checked arithmetic: each
+/// tensor's elements as f32 bytes must fit the address space, so no later product of them
+/// (shapes, byte counts, allocations) can overflow. The error names the fields.
+fn check_sizes(raw: &HfConfig, attention: &HeadDims) -> Check {
+    if raw.num_hidden_layers > MAX_LAYERS {
+        return Err(format!(
+            "num_hidden_layers {} is more than {MAX_LAYERS}",
+            raw.num_hidden_layers
+        ));
+    }
+    let limit = isize::MAX as usize / 4;
+    let product = |fields: &[(&str, usize)]| -> std::result::Result<usize, String> {
+        let value = fields
+            .iter()
+            .try_fold(1usize, |acc, &(_, v)| acc.checked_mul(v))
+            .filter(|&v| v <= limit);
+        value.ok_or_else(|| {
+            let names: Vec<&str> = fields.iter().map(|(n, _)| *n).collect();
+            let values: Vec<String> = fields.iter().map(|(_, v)| v.to_string()).collect();
+            format!(
+                "{} = {} overflows (a tensor's f32 bytes must fit the address space)",
+                names.join(" × "),
+                values.join(" × ")
+            )
+        })
+    };
+    let heads = ("num_attention_heads", attention.heads);
+    let kv_heads = ("num_key_value_heads", attention.kv_heads);
+    let head_dim = ("head_dim", attention.head_dim);
+    let hidden = ("hidden_size", raw.hidden_size);
+    product(&[heads, head_dim, hidden])?;
+    product(&[kv_heads, head_dim, hidden])?;
+    product(&[("vocab_size", raw.vocab_size), hidden])?;
+    product(&[("intermediate_size", raw.intermediate_size), hidden])?;
+    if let (Some(nh), Some(d)) = (raw.lightning_nh, raw.lightning_head_dim) {
+        product(&[("lightning_nh", nh), ("lightning_head_dim", d), hidden])?;
     }
     Ok(())
 }

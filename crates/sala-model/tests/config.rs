@@ -154,3 +154,25 @@ fn rejects_mismatched_layer_count_and_unsupported_switches() {
     value["rope_scaling"] = serde_json::json!({"rope_type": "llama3"});
     assert!(config_error(&value).contains("rope_scaling"));
 }
+
+#[test]
+fn dimensions_whose_products_overflow_are_refused_naming_the_fields() {
+    let huge = 1u64 << 62;
+    for (field, needles) in [
+        ("vocab_size", &["vocab_size × hidden_size", "overflows"][..]),
+        ("intermediate_size", &["intermediate_size × hidden_size"]),
+        ("head_dim", &["head_dim"]),
+    ] {
+        let mut config = fixture_config("tiny-sala");
+        config[field] = huge.into();
+        let err = config_error(&config);
+        for needle in needles {
+            assert!(err.contains(needle), "{field}: {err}");
+        }
+        assert!(err.contains("test/config.json"), "{err}");
+    }
+    // A Llama config with an absurd layer count: refused before any per-layer list is built.
+    let mut config = fixture_config("tiny-llama");
+    config["num_hidden_layers"] = huge.into();
+    assert!(config_error(&config).contains("num_hidden_layers"));
+}
