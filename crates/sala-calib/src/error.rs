@@ -96,6 +96,17 @@ pub enum LineError {
     /// The line is not valid UTF-8.
     #[error("not valid UTF-8")]
     Utf8,
+    /// The line could not be read.
+    #[error("cannot read: {0}")]
+    Read(std::io::Error),
+    /// The line is longer than the bound (bytes).
+    #[error(
+        "longer than {0} bytes; a calibration line is at most that long (is this a JSONL file?)"
+    )]
+    TooLong(usize),
+    /// The file starts with a UTF-8 byte-order mark.
+    #[error("starts with a UTF-8 byte-order mark (EF BB BF); save the file as UTF-8 without BOM")]
+    ByteOrderMark,
     /// The line is JSON but not an object.
     #[error("not a JSON object")]
     NotAnObject,

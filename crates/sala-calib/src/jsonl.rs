@@ -1,7 +1,7 @@
 //! Reading calibration records from JSONL.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -75,19 +75,50 @@ pub fn read_jsonl(path: &Path, options: &ReadOptions) -> Result<JsonlRecords> {
     parse_jsonl(BufReader::new(file), path, options)
 }
 
-/// [`read_jsonl`] over any reader; `path` is only used in errors.
+/// The longest calibration line read, in bytes (16 MiB): far beyond a 131072-token sample
+/// (about 0.6 MB of text), and a bound on what one line may cost (a file without newlines,
+/// such as `/dev/zero`, fails after reading this much).
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// [`read_jsonl`] over any reader; `path` is only used in errors. A line longer than
+/// [`MAX_LINE_BYTES`] fails, even with `skip_malformed` (the rest of it is never read).
 pub fn parse_jsonl(
-    reader: impl BufRead,
+    mut reader: impl BufRead,
     path: &Path,
     options: &ReadOptions,
 ) -> Result<JsonlRecords> {
     let mut out = JsonlRecords::default();
-    for (index, bytes) in reader.split(b'\n').enumerate() {
-        let line = index + 1;
-        let bytes = bytes.map_err(|source| CalibError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+    let mut bytes = Vec::new();
+    for line in 1.. {
+        bytes.clear();
+        let read = (&mut reader)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut bytes)
+            .map_err(|source| CalibError::Malformed {
+                path: path.to_owned(),
+                line,
+                reason: LineError::Read(source),
+            })?;
+        if read == 0 {
+            break;
+        }
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+        } else if bytes.len() > MAX_LINE_BYTES {
+            return Err(CalibError::Malformed {
+                path: path.to_owned(),
+                line,
+                reason: LineError::TooLong(MAX_LINE_BYTES),
+            });
+        }
+        // The byte-order mark some editors write at the start of a file.
+        if line == 1 && bytes.starts_with(b"\xEF\xBB\xBF") {
+            return Err(CalibError::Malformed {
+                path: path.to_owned(),
+                line,
+                reason: LineError::ByteOrderMark,
+            });
+        }
         match parse_line(&bytes) {
             Ok(None) => {}
             Ok(Some(text)) => out.records.push(CalibRecord { line, text }),
@@ -227,6 +258,41 @@ mod tests {
         assert_eq!(read.records[0].line, bad.len() + 1);
         let skipped: Vec<usize> = read.skipped.iter().map(|s| s.line).collect();
         assert_eq!(skipped, (1..=bad.len()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn an_endless_line_fails_after_the_bound_naming_the_line() {
+        let endless = std::io::BufReader::new(std::io::repeat(b'x'));
+        let err = parse_jsonl(endless, Path::new("zero"), &ReadOptions::default()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CalibError::Malformed {
+                    line: 1,
+                    reason: LineError::TooLong(MAX_LINE_BYTES),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Also with skip_malformed: the rest of such a line is never read.
+        let text = format!("{{\"text\": \"ok\"}}\n{}\n", "y".repeat(MAX_LINE_BYTES + 1));
+        let options = ReadOptions {
+            skip_malformed: true,
+        };
+        let err = parse_jsonl(text.as_bytes(), Path::new("f"), &options).unwrap_err();
+        assert!(err.to_string().starts_with("f:2: "), "{err}");
+        // A line of exactly the bound is read.
+        let fits = format!("{{\"text\": \"{}\"}}", "z".repeat(MAX_LINE_BYTES - 12));
+        assert_eq!(fits.len(), MAX_LINE_BYTES);
+        assert_eq!(parse(&fits, false).unwrap().records.len(), 1);
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_named() {
+        let err = parse("\u{feff}{\"text\": \"a\"}\n", false).unwrap_err();
+        assert!(err.to_string().contains("byte-order mark"), "{err}");
+        assert!(err.to_string().starts_with("calib.jsonl:1: "), "{err}");
     }
 
     #[test]

@@ -19,9 +19,12 @@ mod tokenize;
 pub use error::{CalibError, LineError, Result};
 pub use jsonl::{
     parse_jsonl, read_jsonl, CalibRecord, CalibText, ChatMessage, JsonlRecords, ReadOptions,
-    SkippedLine,
+    SkippedLine, MAX_LINE_BYTES,
 };
 pub use model_dir::model_dense_len;
 pub use stats::{uniqueness_ratio, CalibStats, DenseLenReport, LengthBucket, Uniqueness};
 pub use template::ChatTemplate;
-pub use tokenize::{CalibOptions, CalibSample, CalibSet, CalibTokenizer, DenseLenExceedance};
+pub use tokenize::{
+    CalibOptions, CalibSample, CalibSet, CalibTokenizer, DenseLenExceedance, MAX_SAMPLES,
+    MAX_TOKENS,
+};

@@ -55,6 +55,14 @@ impl CalibTokenizer {
     }
 }
 
+/// The most samples a calibration set holds (`max_samples` beyond it is refused before any
+/// sample is built; the original scripts use 96).
+pub const MAX_SAMPLES: usize = 1 << 20;
+
+/// The most tokens a calibration set holds, repeats included (their ids alone take 4 bytes
+/// each, and every token's hidden state is kept between layers).
+pub const MAX_TOKENS: usize = 1 << 31;
+
 /// How a calibration set is built from a JSONL file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CalibOptions {
@@ -152,6 +160,12 @@ impl CalibSet {
             });
         }
         let wanted = options.max_samples.unwrap_or(records.records.len());
+        if wanted > MAX_SAMPLES {
+            return Err(CalibError::Option(format!(
+                "max_samples (--max-samples) {wanted} is more than the {MAX_SAMPLES} samples a \
+                 calibration set may hold"
+            )));
+        }
         records.records.truncate(wanted);
 
         let truncating = truncating_tokenizer(&tokenizer.tokenizer, options.max_len, path)?;
@@ -160,6 +174,13 @@ impl CalibSet {
             .par_iter()
             .map(|record| encode_record(record, &truncating, tokenizer.chat_template(), path))
             .collect::<Result<_>>()?;
+        let tokens = cyclic_tokens(&distinct, wanted);
+        if tokens.is_none_or(|t| t > MAX_TOKENS) {
+            return Err(CalibError::Option(format!(
+                "{wanted} samples (--max-samples) of these records would hold more than {MAX_TOKENS} \
+                 tokens; lower --max-samples or --max-len"
+            )));
+        }
         Ok(Self {
             path: path.to_owned(),
             samples: repeat_cyclically(distinct, wanted),
@@ -250,6 +271,14 @@ fn encode_record(
 fn join_turns(messages: &[ChatMessage]) -> String {
     let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
     contents.join("\n\n")
+}
+
+/// Tokens of `wanted` samples cycling through `distinct` (`None` on overflow).
+fn cyclic_tokens(distinct: &[CalibSample], wanted: usize) -> Option<usize> {
+    let n = distinct.len().max(1);
+    let all: usize = distinct.iter().map(|s| s.ids.len()).sum();
+    let head: usize = distinct.iter().take(wanted % n).map(|s| s.ids.len()).sum();
+    (wanted / n).checked_mul(all)?.checked_add(head)
 }
 
 /// Extends `distinct` to `wanted` samples by cycling through it.

@@ -295,3 +295,25 @@ fn record_kinds_survive_the_reader() {
     .unwrap();
     assert_eq!(records.records[0].text, CalibText::Plain("q".into()));
 }
+
+#[test]
+fn huge_max_samples_is_refused_before_any_sample_is_built() {
+    let dir = model_dir(false);
+    let tokenizer = CalibTokenizer::from_model_dir(dir.path()).unwrap();
+    let path = write_jsonl(dir.path(), &["{\"text\": \"hello\"}"]);
+    for wanted in [usize::MAX, sala_calib::MAX_SAMPLES + 1] {
+        let err = CalibSet::load(&path, &tokenizer, &options(64, Some(wanted))).unwrap_err();
+        assert!(matches!(err, CalibError::Option(_)), "{err}");
+        assert!(err.to_string().contains("--max-samples"), "{err}");
+    }
+    // Few enough samples, but too many tokens in all.
+    let long = format!("{{\"text\": \"{}\"}}", "hello ".repeat(3000));
+    let path = write_jsonl(dir.path(), &[&long]);
+    let err = CalibSet::load(
+        &path,
+        &tokenizer,
+        &options(4096, Some(sala_calib::MAX_SAMPLES)),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("tokens"), "{err}");
+}
