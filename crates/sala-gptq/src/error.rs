@@ -153,6 +153,9 @@ pub enum PipelineError {
     /// No calibration sample is left.
     #[error("no calibration samples: {0}")]
     NoSamples(String),
+    /// The run would need more memory or address space than there is.
+    #[error("too large: {0}")]
+    TooLarge(String),
     /// Something the pipeline does not do yet.
     #[error("not supported: {0}")]
     Unsupported(String),

@@ -61,6 +61,27 @@ enum Storage<B: Backend> {
     Disk(MmapMut),
 }
 
+/// Gives `file` `bytes` of allocated disk blocks (not a sparse hole): a full file system fails
+/// here with an error instead of killing the process with SIGBUS when a page of the map is
+/// first written.
+fn reserve_disk(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
+    file.set_len(bytes)?;
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        let len = libc::off_t::try_from(bytes)
+            .map_err(|_| std::io::Error::other("larger than the file system allows"))?;
+        // SAFETY: fallocate on a descriptor `file` owns; it returns an error number.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+            0 => {}
+            // The file system cannot reserve: keep the sparse file, as before.
+            libc::EOPNOTSUPP | libc::EINVAL => {}
+            errno => return Err(std::io::Error::from_raw_os_error(errno)),
+        }
+    }
+    Ok(())
+}
+
 impl<B: Backend> HiddenStates<B> {
     /// Space for samples of `lengths[i]` tokens of width `hidden`, loaded as `dtype` tensors on
     /// `device`. On the device when `Σ lengths · hidden · size(dtype)` bytes fit
@@ -74,28 +95,53 @@ impl<B: Backend> HiddenStates<B> {
         budget: HiddenBudget,
         scratch_dir: &Path,
     ) -> Result<Self, PipelineError> {
-        let mut offsets = Vec::with_capacity(lengths.len() + 1);
+        let too_many = || {
+            PipelineError::TooLarge(format!(
+            "the hidden states of {} samples of width {hidden} overflow this machine's address \
+             space; lower --max-samples or --max-len",
+            lengths.len()
+        ))
+        };
+        let mut offsets = Vec::new();
+        offsets
+            .try_reserve_exact(lengths.len() + 1)
+            .map_err(|_| too_many())?;
         let mut total = 0usize;
         offsets.push(0);
         for &n in lengths {
-            total += n * hidden;
+            total = n
+                .checked_mul(hidden)
+                .and_then(|v| total.checked_add(v))
+                .ok_or_else(too_many)?;
             offsets.push(total);
         }
-        let device_bytes = total as u64 * dtype.size() as u64;
-        let host_bytes = total as u64 * 2;
+        let device_bytes = (total as u64).saturating_mul(dtype.size() as u64);
+        let host_bytes = (total as u64).checked_mul(2).ok_or_else(too_many)?;
         let storage = if budget.device.is_some_and(|b| device_bytes <= b) {
             Storage::Device(vec![None; lengths.len()])
         } else if budget.host.is_some_and(|b| host_bytes > b) {
             let io = |e: std::io::Error| PipelineError::Io {
                 path: scratch_dir.to_path_buf(),
-                message: format!("hidden-state scratch file: {e}"),
+                message: format!(
+                    "hidden-state scratch file of {:.1} MB: {e}",
+                    host_bytes as f64 / 1e6
+                ),
             };
             let file = tempfile::tempfile_in(scratch_dir).map_err(io)?;
-            file.set_len(host_bytes).map_err(io)?;
+            reserve_disk(&file, host_bytes).map_err(io)?;
             // SAFETY: the file is private to this process (unnamed temporary) and outlives the map.
             Storage::Disk(unsafe { MmapMut::map_mut(&file) }.map_err(io)?)
         } else {
-            Storage::Memory(vec![bf16::ZERO; total])
+            let mut values = Vec::new();
+            values.try_reserve_exact(total).map_err(|_| {
+                PipelineError::TooLarge(format!(
+                    "cannot allocate {:.1} MB of host memory for the hidden states; lower \
+                     --max-samples or --max-len, or set --max-host-memory to keep them in a file",
+                    host_bytes as f64 / 1e6
+                ))
+            })?;
+            values.resize(total, bf16::ZERO);
+            Storage::Memory(values)
         };
         Ok(Self {
             hidden,
@@ -216,6 +262,23 @@ mod tests {
 
     fn states(lengths: &[usize], budget: HiddenBudget, dir: &Path) -> HiddenStates<CpuBackend> {
         HiddenStates::new(lengths, 4, &Default::default(), DType::F32, budget, dir).unwrap()
+    }
+
+    #[test]
+    fn hidden_states_too_large_for_the_machine_are_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        for lengths in [&[usize::MAX / 2, 10][..], &[1 << 59]] {
+            let result = HiddenStates::<CpuBackend>::new(
+                lengths,
+                4,
+                &Default::default(),
+                DType::F32,
+                HiddenBudget::default(),
+                dir.path(),
+            );
+            let err = result.err().expect("refused").to_string();
+            assert!(err.contains("--max-samples"), "{err}");
+        }
     }
 
     #[test]
