@@ -55,7 +55,7 @@ impl DeviceArg {
             } else {
                 Numerics::Bf16Storage
             };
-            options.max_device_memory = Some(max_device_memory_mb * 1_000_000);
+            options.max_device_memory = Some(max_device_memory_mb.saturating_mul(1_000_000));
             options.device_statistics = !host_statistics;
         }
     }
@@ -182,7 +182,8 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     match Cublas::new(0) {
         Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas)),
         Err(e) => {
-            eprintln!("warning: linears on burn's matmul: {e}");
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "warning: linears on burn's matmul: {e}");
             CudaFastOps::attention_only()
         }
     }

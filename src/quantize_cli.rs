@@ -244,7 +244,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let plan = QuantPlan::build(&config, &options.plan)?;
     options.check(&plan)?;
     if args.plan_only {
-        println!("{plan}");
+        say(&plan)?;
         return Ok(());
     }
     let default_output = args.output.is_none();
@@ -298,14 +298,15 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .into());
     }
     if !args.quiet {
-        println!("{stats}");
-        println!("{plan}");
+        // Before any compute, a standard output that cannot be written is an error.
+        say(&stats)?;
+        say(&plan)?;
     }
     let samples: Vec<Sample> = calib
         .samples
-        .iter()
+        .into_iter()
         .map(|s| Sample {
-            ids: s.ids.clone(),
+            ids: s.ids,
             line: s.line,
         })
         .collect();
@@ -327,12 +328,29 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     )?;
     checkpoint.write_file(sala_export::REPORT_FILE, json.as_bytes())?;
     let written = checkpoint.commit()?;
-    println!("{report}");
-    println!(
-        "report: {}",
-        written.dir.join(sala_export::REPORT_FILE).display()
-    );
+    // The checkpoint and its report are committed: a standard output that cannot be written
+    // now (closed, full) changes nothing about them, so it is a warning and the run succeeds.
+    let report_path = written.dir.join(sala_export::REPORT_FILE);
+    if let Err(e) = say(&report).and_then(|()| say(format!("report: {}", report_path.display()))) {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: {e}; the checkpoint {} is complete and verified, its report is {}",
+            written.dir.display(),
+            report_path.display()
+        );
+    }
     Ok(())
+}
+
+/// Writes `text` and a newline to standard output and flushes it; the error names standard
+/// output (a closed pipe or a full disk is an error here, not a panic).
+fn say(text: impl std::fmt::Display) -> Result<(), String> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("cannot write to standard output: {e}"))
 }
 
 /// The pipeline run on the backend `--device` picks.
@@ -419,7 +437,19 @@ fn options_from(
     if args.f32 {
         options.run.numerics = Numerics::F32;
     }
-    options.max_host_memory = args.max_host_memory.map(|mb| mb * 1_000_000);
+    options.max_host_memory = match args.max_host_memory {
+        None => None,
+        Some(mb) => Some(mb.checked_mul(1_000_000).ok_or_else(|| {
+            format!("--max-host-memory {mb}: more bytes than a 64-bit count holds")
+        })?),
+    };
+    if args.max_device_memory.checked_mul(1_000_000).is_none() {
+        return Err(format!(
+            "--max-device-memory {}: more bytes than a 64-bit count holds",
+            args.max_device_memory
+        )
+        .into());
+    }
     options.skip_failed_samples = args.skip_failed_samples;
     options.pack_tokens = args.pack_tokens;
     args.device.configure(
@@ -500,7 +530,11 @@ impl Progress for Bars {
             Some((m, _, _)) => {
                 let _ = m.println(text);
             }
-            None => eprintln!("{text}"),
+            None => {
+                use std::io::Write;
+                // Progress lines are not worth a failed run when standard error is closed.
+                let _ = writeln!(std::io::stderr(), "{text}");
+            }
         }
     }
     fn finish(&mut self) {

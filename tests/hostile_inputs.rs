@@ -215,23 +215,23 @@ impl Env {
     }
 
     /// The usual flags: the private model and calibration, one short sample, one thread, the
-    /// output `<root>/out`; then `extra`.
+    /// output `<root>/out`; then `extra` (which replaces a usual flag it repeats).
     fn args(&self, extra: &[&str]) -> Vec<OsString> {
-        let mut args: Vec<OsString> = vec![
-            "--quiet".into(),
-            "--input".into(),
-            self.model().into(),
-            "--calib-data".into(),
-            self.calib().into(),
-            "--output".into(),
-            self.out().into(),
-            "--max-samples".into(),
-            "1".into(),
-            "--max-len".into(),
-            "16".into(),
-            "--threads".into(),
-            "1".into(),
+        let defaults: [(&str, OsString); 6] = [
+            ("--input", self.model().into()),
+            ("--calib-data", self.calib().into()),
+            ("--output", self.out().into()),
+            ("--max-samples", "1".into()),
+            ("--max-len", "16".into()),
+            ("--threads", "1".into()),
         ];
+        let mut args: Vec<OsString> = vec!["--quiet".into()];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                args.push(flag.into());
+                args.push(value);
+            }
+        }
         args.extend(os(extra));
         args
     }
@@ -432,6 +432,187 @@ fn a_good_run_commits_a_verified_checkpoint_with_its_report() {
     assert_no_debris(&out);
 }
 
+// ------------------------------------------------------------------------------------------
+// Class 4: crashes instead of errors.
+
+/// Standard output closed (a pipe whose reader is gone) before the run: refused before any
+/// compute, nothing written.
+fn stdout_closed_before_the_run() {
+    let env = Env::new();
+    let mut args = env.args(&[]);
+    args.retain(|a| a != "--quiet");
+    let mut cmd = command(&args, env.root.path());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    drop(child.stdout.take());
+    let status = wait(&mut child, Duration::from_secs(120));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let run = Run {
+        status,
+        stdout: String::new(),
+        stderr,
+    };
+    assert_refused(&run, &["standard output"]);
+    assert_nothing_written(&env.out());
+}
+
+/// Standard output full after a `--quiet` run: the checkpoint is committed and verified, the
+/// run succeeds with a warning.
+fn stdout_full_after_the_commit_is_a_warning() {
+    let env = Env::new();
+    let mut cmd = command(&env.args(&[]), env.root.path());
+    cmd.stdout(
+        fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap(),
+    );
+    let err_path = env.path("stderr.txt");
+    cmd.stderr(fs::File::create(&err_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let run = Run {
+        status: wait(&mut child, Duration::from_secs(240)),
+        stdout: String::new(),
+        stderr: fs::read_to_string(&err_path).unwrap(),
+    };
+    assert_ok(&run);
+    assert!(
+        run.stderr
+            .contains("warning: cannot write to standard output"),
+        "{run:?}"
+    );
+    assert!(run.stderr.contains("complete and verified"), "{run:?}");
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert!(env.out().join("quantization_report.json").is_file());
+    assert_no_debris(&env.out());
+}
+
+/// `--plan-only` prints the plan and nothing else: a full standard output is an error.
+fn plan_only_to_a_full_stdout() {
+    let env = Env::new();
+    let mut cmd = command(&env.args(&["--plan-only"]), env.root.path());
+    cmd.stdout(
+        fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap(),
+    );
+    let err_path = env.path("stderr.txt");
+    cmd.stderr(fs::File::create(&err_path).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let run = Run {
+        status: wait(&mut child, Duration::from_secs(60)),
+        stdout: String::new(),
+        stderr: fs::read_to_string(&err_path).unwrap(),
+    };
+    assert_refused(&run, &["standard output"]);
+    assert_nothing_written(&env.out());
+}
+
+/// Edits the model's `config.json`.
+fn edit_config(env: &Env, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let path = env.model().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    fs::write(&path, config.to_string()).unwrap();
+    path
+}
+
+fn config_overflow(field: &str, value: u64, needles: &[&str]) {
+    for plan_only in [false, true] {
+        let env = Env::new();
+        edit_config(&env, |c| c[field] = value.into());
+        let run = env.quantize(if plan_only { &["--plan-only"] } else { &[] });
+        let mut all = vec!["config.json", field];
+        all.extend_from_slice(needles);
+        assert_refused(&run, &all);
+        assert_nothing_written(&env.out());
+    }
+}
+
+fn config_vocab_times_hidden_overflows() {
+    config_overflow("vocab_size", 1 << 62, &["overflows"]);
+}
+
+fn config_intermediate_times_hidden_overflows() {
+    config_overflow("intermediate_size", u64::MAX, &["overflows"]);
+}
+
+fn config_heads_times_head_dim_overflows() {
+    config_overflow("head_dim", 1 << 62, &["overflows"]);
+}
+
+fn config_absurd_layer_count() {
+    config_overflow("num_hidden_layers", u64::MAX, &[]);
+}
+
+fn config_dimension_beyond_usize() {
+    // 2^64 does not fit the field at all: serde names the field and the position.
+    let env = Env::new();
+    let path = env.model().join("config.json");
+    let text = fs::read_to_string(&path).unwrap();
+    let text = text.replace(
+        "\"hidden_size\": 256",
+        "\"hidden_size\": 18446744073709551616",
+    );
+    fs::write(&path, text).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["config.json", "line"]);
+    assert_nothing_written(&env.out());
+}
+
+fn huge_max_samples() {
+    for n in ["18446744073709551615", "2000000"] {
+        let env = Env::new();
+        let run = env.quantize(&["--max-samples", n]);
+        assert_refused(&run, &["--max-samples", n]);
+        assert_nothing_written(&env.out());
+    }
+}
+
+/// A huge `--max-len` only bounds the samples; it must not crash the tokenizer.
+fn huge_max_len_is_harmless() {
+    let env = Env::new();
+    let run = env.quantize(&["--max-len", "18446744073709551615"]);
+    assert_ok(&run);
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+}
+
+/// `/dev/zero` as the calibration file: one endless line, refused after the line bound.
+fn dev_zero_as_calibration() {
+    let env = Env::new();
+    let started = Instant::now();
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--calib-data").unwrap();
+    args[at + 1] = "/dev/zero".into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["/dev/zero:1:", "longer than"]);
+    assert!(started.elapsed() < Duration::from_secs(60), "too slow");
+    assert_nothing_written(&env.out());
+}
+
+fn a_calibration_line_beyond_the_bound() {
+    let env = Env::new();
+    let huge = format!("{{\"text\": \"{}\"}}\n", "word ".repeat(4 << 20));
+    let mut text = String::from("{\"text\": \"fine\"}\n");
+    text.push_str(&huge);
+    fs::write(env.calib(), text).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["calib.jsonl:2:", "longer than"]);
+    assert_nothing_written(&env.out());
+}
+
+fn max_memory_options_that_overflow() {
+    for option in ["--max-host-memory", "--max-device-memory"] {
+        let env = Env::new();
+        let run = env.quantize(&[option, "18446744073709551615"]);
+        assert_refused(&run, &[option]);
+        assert_nothing_written(&env.out());
+    }
+}
+
 const CASES: &[Case] = &[
     (
         "a_good_run_commits_a_verified_checkpoint_with_its_report",
@@ -446,4 +627,38 @@ const CASES: &[Case] = &[
         nan_in_a_linear_kept_in_16_bits,
     ),
     ("nan_in_a_quantized_linear", nan_in_a_quantized_linear),
+    ("stdout_closed_before_the_run", stdout_closed_before_the_run),
+    (
+        "stdout_full_after_the_commit_is_a_warning",
+        stdout_full_after_the_commit_is_a_warning,
+    ),
+    ("plan_only_to_a_full_stdout", plan_only_to_a_full_stdout),
+    (
+        "config_vocab_times_hidden_overflows",
+        config_vocab_times_hidden_overflows,
+    ),
+    (
+        "config_intermediate_times_hidden_overflows",
+        config_intermediate_times_hidden_overflows,
+    ),
+    (
+        "config_heads_times_head_dim_overflows",
+        config_heads_times_head_dim_overflows,
+    ),
+    ("config_absurd_layer_count", config_absurd_layer_count),
+    (
+        "config_dimension_beyond_usize",
+        config_dimension_beyond_usize,
+    ),
+    ("huge_max_samples", huge_max_samples),
+    ("huge_max_len_is_harmless", huge_max_len_is_harmless),
+    ("dev_zero_as_calibration", dev_zero_as_calibration),
+    (
+        "a_calibration_line_beyond_the_bound",
+        a_calibration_line_beyond_the_bound,
+    ),
+    (
+        "max_memory_options_that_overflow",
+        max_memory_options_that_overflow,
+    ),
 ];
