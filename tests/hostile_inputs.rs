@@ -613,52 +613,155 @@ fn max_memory_options_that_overflow() {
     }
 }
 
-const CASES: &[Case] = &[
-    (
-        "a_good_run_commits_a_verified_checkpoint_with_its_report",
-        a_good_run_commits_a_verified_checkpoint_with_its_report,
-    ),
-    ("nan_in_the_embedding", nan_in_the_embedding),
-    ("inf_in_the_final_norm", inf_in_the_final_norm),
-    ("nan_in_lm_head", nan_in_lm_head),
-    ("nan_in_a_layer_norm", nan_in_a_layer_norm),
-    (
-        "nan_in_a_linear_kept_in_16_bits",
-        nan_in_a_linear_kept_in_16_bits,
-    ),
-    ("nan_in_a_quantized_linear", nan_in_a_quantized_linear),
-    ("stdout_closed_before_the_run", stdout_closed_before_the_run),
-    (
-        "stdout_full_after_the_commit_is_a_warning",
-        stdout_full_after_the_commit_is_a_warning,
-    ),
-    ("plan_only_to_a_full_stdout", plan_only_to_a_full_stdout),
-    (
-        "config_vocab_times_hidden_overflows",
-        config_vocab_times_hidden_overflows,
-    ),
-    (
-        "config_intermediate_times_hidden_overflows",
-        config_intermediate_times_hidden_overflows,
-    ),
-    (
-        "config_heads_times_head_dim_overflows",
-        config_heads_times_head_dim_overflows,
-    ),
-    ("config_absurd_layer_count", config_absurd_layer_count),
-    (
-        "config_dimension_beyond_usize",
-        config_dimension_beyond_usize,
-    ),
-    ("huge_max_samples", huge_max_samples),
-    ("huge_max_len_is_harmless", huge_max_len_is_harmless),
-    ("dev_zero_as_calibration", dev_zero_as_calibration),
-    (
-        "a_calibration_line_beyond_the_bound",
-        a_calibration_line_beyond_the_bound,
-    ),
-    (
-        "max_memory_options_that_overflow",
-        max_memory_options_that_overflow,
-    ),
+// ------------------------------------------------------------------------------------------
+// Class 7: symbolic links out of the model directory.
+
+/// Replaces `model/name` by a link to a copy of it in `<root>/elsewhere/`.
+fn link_out(env: &Env, name: &str) -> PathBuf {
+    let elsewhere = env.path("elsewhere");
+    fs::create_dir_all(&elsewhere).unwrap();
+    let inside = env.model().join(name);
+    let outside = elsewhere.join(name);
+    fs::rename(&inside, &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, &inside).unwrap();
+    outside
+}
+
+fn side_file_linked_out(name: &str) {
+    let env = Env::new();
+    let model = env.model();
+    if !model.join(name).exists() {
+        fs::write(model.join(name), "# remote code\n").unwrap();
+    }
+    link_out(&env, name);
+    let previous = env.previous_output();
+    let run = env.quantize(&["--overwrite"]);
+    assert_refused(&run, &[name, "outside the model directory"]);
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn generation_config_linked_out_of_the_model() {
+    side_file_linked_out("generation_config.json");
+}
+
+fn python_file_linked_out_of_the_model() {
+    side_file_linked_out("modeling_minicpm_sala.py");
+}
+
+fn tokenizer_config_linked_out_of_the_model() {
+    side_file_linked_out("tokenizer_config.json");
+}
+
+fn weights_linked_out_of_the_model() {
+    let env = Env::new();
+    link_out(&env, "model.safetensors");
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.safetensors", "outside the model directory"]);
+    assert_nothing_written(&env.out());
+}
+
+/// Writes an index that puts every tensor in `file`.
+fn write_index(model: &Path, file: &str) {
+    let data = fs::read(sala_quant::fixtures_dir().join("tiny-sala/model.safetensors")).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&data).unwrap();
+    let map: serde_json::Map<String, serde_json::Value> = metadata
+        .tensors()
+        .keys()
+        .map(|k| (k.clone(), file.into()))
+        .collect();
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    fs::write(
+        model.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+}
+
+fn shard_through_a_linked_subdirectory() {
+    let env = Env::new();
+    let model = env.model();
+    let elsewhere = env.path("elsewhere");
+    fs::create_dir_all(&elsewhere).unwrap();
+    fs::rename(
+        model.join("model.safetensors"),
+        elsewhere.join("w.safetensors"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&elsewhere, model.join("sub")).unwrap();
+    write_index(&model, "sub/w.safetensors");
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["sub/w.safetensors", "outside the model directory"]);
+    assert_nothing_written(&env.out());
+}
+
+fn index_with_a_path_out_of_the_model() {
+    let env = Env::new();
+    let model = env.model();
+    write_index(&model, "../model/model.safetensors");
+    let run = env.quantize(&[]);
+    assert_refused(
+        &run,
+        &["model.safetensors.index.json", "../model/model.safetensors"],
+    );
+    assert_nothing_written(&env.out());
+}
+
+/// A Hugging Face hub snapshot links every file to `../../blobs/`: accepted.
+fn hugging_face_cache_layout_is_accepted() {
+    let env = Env::new();
+    let repo = env.path("hub/models--org--tiny");
+    let blobs = repo.join("blobs");
+    let snapshot = repo.join("snapshots/0123abcd");
+    copy_dir(&sala_quant::fixtures_dir().join("tiny-sala"), &blobs);
+    fs::create_dir_all(&snapshot).unwrap();
+    for entry in fs::read_dir(&blobs).unwrap() {
+        let name = entry.unwrap().file_name();
+        let target = Path::new("../../blobs").join(&name);
+        std::os::unix::fs::symlink(target, snapshot.join(&name)).unwrap();
+    }
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--input").unwrap();
+    args[at + 1] = snapshot.into();
+    let run = env.run_args(&args);
+    assert_ok(&run);
+    assert!(env.out().join("tokenizer.json").is_file());
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+}
+
+/// `(name, case)` pairs, named by the functions.
+macro_rules! cases {
+    ($($case:ident),* $(,)?) => {
+        &[$((stringify!($case), $case as fn())),*]
+    };
+}
+
+const CASES: &[Case] = cases![
+    a_good_run_commits_a_verified_checkpoint_with_its_report,
+    nan_in_the_embedding,
+    inf_in_the_final_norm,
+    nan_in_lm_head,
+    nan_in_a_layer_norm,
+    nan_in_a_linear_kept_in_16_bits,
+    nan_in_a_quantized_linear,
+    stdout_closed_before_the_run,
+    stdout_full_after_the_commit_is_a_warning,
+    plan_only_to_a_full_stdout,
+    config_vocab_times_hidden_overflows,
+    config_intermediate_times_hidden_overflows,
+    config_heads_times_head_dim_overflows,
+    config_absurd_layer_count,
+    config_dimension_beyond_usize,
+    huge_max_samples,
+    huge_max_len_is_harmless,
+    dev_zero_as_calibration,
+    a_calibration_line_beyond_the_bound,
+    max_memory_options_that_overflow,
+    generation_config_linked_out_of_the_model,
+    python_file_linked_out_of_the_model,
+    tokenizer_config_linked_out_of_the_model,
+    weights_linked_out_of_the_model,
+    shard_through_a_linked_subdirectory,
+    index_with_a_path_out_of_the_model,
+    hugging_face_cache_layout_is_accepted,
 ];

@@ -70,6 +70,16 @@ pub enum ExportError {
         /// ` by process N` when the lock file names its holder, else empty.
         holder: String,
     },
+    /// A file of the source model directory resolves, through symbolic links, outside it.
+    #[error("{path} resolves to {resolved}, outside the model directory {root}; copy the file into the model directory instead of linking to it")]
+    OutsideSource {
+        /// The file as named in the model directory.
+        path: PathBuf,
+        /// Where it resolves to.
+        resolved: PathBuf,
+        /// The directory it must stay in.
+        root: PathBuf,
+    },
     /// A tensor's byte length does not match its dtype and shape.
     #[error("tensor {tensor}: {dtype} {shape:?} needs {expected} bytes, got {actual}")]
     TensorSize {

@@ -93,7 +93,8 @@ pub struct WrittenCheckpoint {
 pub struct CheckpointWriter {
     staged: StagedDir,
     shards: ShardWriter,
-    source_model: Option<PathBuf>,
+    /// The source model's side files (name, path), checked at creation.
+    side_files: Vec<(String, PathBuf)>,
     format: Option<LinearFormat>,
     quantized_linears: usize,
 }
@@ -105,6 +106,12 @@ impl CheckpointWriter {
     /// unless it is a checkpoint or empty), or if it is, holds or lies inside the source model
     /// directory.
     pub fn create(target: impl AsRef<Path>, options: WriterOptions) -> Result<Self, ExportError> {
+        // Checked before anything is created: a side file that cannot be copied fails now, not
+        // after the run.
+        let side_files = match &options.source_model {
+            Some(source) => side_files(source)?,
+            None => Vec::new(),
+        };
         let staged = StagedDir::create(
             target.as_ref(),
             options.overwrite,
@@ -114,7 +121,7 @@ impl CheckpointWriter {
         Ok(Self {
             staged,
             shards,
-            source_model: options.source_model,
+            side_files,
             format: None,
             quantized_linears: 0,
         })
@@ -227,10 +234,7 @@ impl CheckpointWriter {
         self.check_config_matches(quantization)?;
         let layout = self.shards.finish()?;
         write_configs(&dir, model_config, quantization)?;
-        let copied_files = match &self.source_model {
-            Some(source) => copy_side_files(source, &dir)?,
-            None => Vec::new(),
-        };
+        let copied_files = copy_side_files(&self.side_files, &dir)?;
         Ok(StagedCheckpoint {
             written: WrittenCheckpoint {
                 dir: self.staged.target().to_path_buf(),
@@ -351,20 +355,68 @@ fn write_configs(
     write_json(&config_path, &model_config)
 }
 
-/// Copies the tokenizer, chat template, generation config and `*.py` files (names sorted).
-fn copy_side_files(source: &Path, dir: &Path) -> Result<Vec<String>, ExportError> {
-    let mut copied = Vec::new();
+/// The source model's tokenizer, chat template, generation config and `*.py` files (sorted
+/// by name). Each must be a regular file that resolves, through every symbolic link, inside the
+/// model directory (or the repository directory of a Hugging Face hub snapshot): a link to a
+/// file elsewhere is refused rather than copied into the checkpoint.
+fn side_files(source: &Path) -> Result<Vec<(String, PathBuf)>, ExportError> {
+    let root = containment_root(source)?;
+    let mut files = Vec::new();
     for entry in fs::read_dir(source).map_err(ExportError::io(source))? {
         let entry = entry.map_err(ExportError::io(source))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let path = entry.path();
-        if !path.is_file() || !is_side_file(&name) || dir.join(&name).exists() {
+        if !is_side_file(&name) {
             continue;
         }
-        fs::copy(&path, dir.join(&name)).map_err(ExportError::io(&path))?;
-        copied.push(name);
+        let path = entry.path();
+        let meta = fs::metadata(&path).map_err(ExportError::io(&path))?;
+        if !meta.is_file() {
+            return Err(ExportError::Io {
+                path,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "not a regular file (a directory or a device where a file belongs)",
+                ),
+            });
+        }
+        let resolved = fs::canonicalize(&path).map_err(ExportError::io(&path))?;
+        if !resolved.starts_with(&root) {
+            return Err(ExportError::OutsideSource {
+                path,
+                resolved,
+                root,
+            });
+        }
+        files.push((name, path));
     }
-    copied.sort();
+    files.sort();
+    Ok(files)
+}
+
+/// The directory a model directory's files may resolve into: the directory itself, or for a
+/// Hugging Face hub snapshot (`…/snapshots/<revision>`, whose files link to `../../blobs/`)
+/// the repository's cache directory. (`sala_model::containment_root` does the same for the
+/// tensors.)
+fn containment_root(source: &Path) -> Result<PathBuf, ExportError> {
+    let canonical = fs::canonicalize(source).map_err(ExportError::io(source))?;
+    Ok(match canonical.parent() {
+        Some(parent) if parent.file_name().is_some_and(|n| n == "snapshots") => {
+            parent.parent().unwrap_or(parent).to_path_buf()
+        }
+        _ => canonical,
+    })
+}
+
+/// Copies `files` into `dir` (a name the checkpoint already has is kept); their names.
+fn copy_side_files(files: &[(String, PathBuf)], dir: &Path) -> Result<Vec<String>, ExportError> {
+    let mut copied = Vec::new();
+    for (name, path) in files {
+        if dir.join(name).exists() {
+            continue;
+        }
+        fs::copy(path, dir.join(name)).map_err(ExportError::io(path))?;
+        copied.push(name.clone());
+    }
     Ok(copied)
 }
 

@@ -349,3 +349,37 @@ fn refuses_existing_output_the_source_and_bad_linears() {
         Err(ExportError::Layout { .. })
     ));
 }
+
+#[cfg(unix)]
+#[test]
+fn side_files_that_link_out_of_the_model_directory_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let source = source_model(root.path());
+    let elsewhere = root.path().join("elsewhere.json");
+    fs::write(&elsewhere, "{\"secret\": 1}").unwrap();
+    fs::remove_file(source.join("generation_config.json")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, source.join("generation_config.json")).unwrap();
+    let options = WriterOptions {
+        source_model: Some(source.clone()),
+        ..WriterOptions::default()
+    };
+    let target = root.path().join("out");
+    let err = CheckpointWriter::create(&target, options.clone())
+        .err()
+        .expect("refused");
+    assert!(matches!(err, ExportError::OutsideSource { .. }), "{err}");
+    assert!(err.to_string().contains("generation_config.json"), "{err}");
+    assert!(!target.exists());
+    assert_eq!(entries(root.path()), ["elsewhere.json", "source-model"]);
+
+    // A link that stays inside the model directory is followed.
+    fs::copy(&elsewhere, source.join("real_generation_config.json")).unwrap();
+    fs::remove_file(source.join("generation_config.json")).unwrap();
+    std::os::unix::fs::symlink(
+        "real_generation_config.json",
+        source.join("generation_config.json"),
+    )
+    .unwrap();
+    let writer = CheckpointWriter::create(&target, options).unwrap();
+    drop(writer);
+}

@@ -50,6 +50,16 @@ pub enum ModelError {
         /// The file name as written in the index.
         shard: String,
     },
+    /// A model file resolves, through symbolic links, outside the model directory.
+    #[error("{path} resolves to {resolved}, outside the model directory {root}; copy the file into the model directory instead of linking to it")]
+    OutsideModelDirectory {
+        /// The file as named in the model directory.
+        path: PathBuf,
+        /// Where it resolves to.
+        resolved: PathBuf,
+        /// The directory it must stay in.
+        root: PathBuf,
+    },
     /// A tensor the configuration requires is absent.
     #[error("tensor {tensor} is missing from {path}")]
     MissingTensor {

@@ -46,5 +46,5 @@ pub use numerics::{round_to_bf16, to_f32, Numerics};
 pub use runner::{AttentionMode, LayerRunner, RunOptions};
 pub use safetensors::Dtype;
 pub use source::{DeviceLayerWeights, LayerSource};
-pub use store::{TensorInfo, TensorStore, INDEX_FILE, SINGLE_FILE};
+pub use store::{containment_root, TensorInfo, TensorStore, INDEX_FILE, SINGLE_FILE};
 pub use wiring::{input_groups, InputGroup, InputSource};

@@ -59,9 +59,16 @@ struct ShardIndex {
 
 impl TensorStore {
     /// Opens `dir/model.safetensors.index.json` if present, else `dir/model.safetensors`.
+    ///
+    /// The index and every shard must resolve (through symbolic links, canonically) inside the
+    /// model directory, or inside the repository directory of a Hugging Face hub snapshot
+    /// (see [`containment_root`]).
     pub fn open(dir: &Path) -> Result<Self> {
+        // A directory that does not resolve fails below, naming the file that was looked for.
+        let root = containment_root(dir).unwrap_or_else(|_| dir.to_owned());
         let index_path = dir.join(INDEX_FILE);
         let shard_names = if index_path.is_file() {
+            check_contained(&index_path, &root)?;
             read_index(&index_path)?
         } else {
             vec![(SINGLE_FILE.to_owned(), None)]
@@ -75,7 +82,11 @@ impl TensorStore {
         for (file, _) in &shard_names {
             if !shard_of_file.contains_key(file) {
                 shard_of_file.insert(file.clone(), store.shards.len());
-                store.add_shard(&dir.join(file))?;
+                let path = dir.join(file);
+                if path.exists() {
+                    check_contained(&path, &root)?;
+                }
+                store.add_shard(&path)?;
             }
         }
         // With an index, the index is authoritative: each listed tensor must be in its shard.
@@ -295,6 +306,39 @@ impl TensorStore {
             self.check_specs(&config.layer_tensor_specs(layer))?;
         }
         Ok(())
+    }
+}
+
+/// The directory a model directory's files may resolve into: the directory itself
+/// (canonical), or for a Hugging Face hub snapshot (`…/snapshots/<revision>`, whose files are
+/// links to `../../blobs/`) the repository's cache directory above `snapshots`.
+pub fn containment_root(dir: &Path) -> Result<PathBuf> {
+    let canonical = std::fs::canonicalize(dir).map_err(|source| ModelError::Io {
+        path: dir.to_owned(),
+        source,
+    })?;
+    Ok(match canonical.parent() {
+        Some(parent) if parent.file_name().is_some_and(|n| n == "snapshots") => {
+            parent.parent().unwrap_or(parent).to_path_buf()
+        }
+        _ => canonical,
+    })
+}
+
+/// Refuses `path` if it resolves (canonically, through every link) outside `root`.
+fn check_contained(path: &Path, root: &Path) -> Result<()> {
+    let resolved = std::fs::canonicalize(path).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    if resolved.starts_with(root) {
+        Ok(())
+    } else {
+        Err(ModelError::OutsideModelDirectory {
+            path: path.to_owned(),
+            resolved,
+            root: root.to_owned(),
+        })
     }
 }
 
