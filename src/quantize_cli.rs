@@ -47,7 +47,8 @@ pub struct Args {
     /// Bits for lightning (linear-attention) layers.
     #[arg(long)]
     lightning_bits: Option<u32>,
-    /// Per-layer bits, e.g. "0:4,2-7:8,8:16" (priority: layer > type > --bits).
+    /// Per-layer bits, e.g. "0:4,2-7:8,8:16" (priority: layer > type > --bits); a later, narrower
+    /// range overrides a wider one, the same range given twice is refused.
     #[arg(long, default_value = "")]
     layer_bits: String,
     /// Keep modules whose name matches (from the start) in 16 bits; repeatable.
@@ -152,7 +153,7 @@ pub struct Args {
     /// Print the plan and exit.
     #[arg(long)]
     plan_only: bool,
-    /// Worker threads (default: all cores).
+    /// Worker threads, 1 to 1024 (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
     /// Accepted for compatibility with the original scripts: nothing in this pipeline is random.
@@ -226,9 +227,13 @@ fn fail(message: &str) -> ExitCode {
 pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     args.device.check_available("quantize_sala")?;
     if let Some(n) = args.threads {
+        if !(1..=MAX_THREADS).contains(&n) {
+            return Err(format!("--threads {n}: give 1 to {MAX_THREADS} worker threads").into());
+        }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
-            .build_global()?;
+            .build_global()
+            .map_err(|e| format!("--threads {n}: cannot start the worker threads: {e}"))?;
     }
     let fixtures = crate::fixtures_dir();
     let input = args
@@ -286,6 +291,24 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             skip_malformed: args.skip_malformed,
         },
     )?;
+    // A tokenizer that is not the model's gives ids the embedding has no row for.
+    for sample in &calib.samples {
+        if let Some(&id) = sample
+            .ids
+            .iter()
+            .find(|&&id| id as usize >= config.vocab_size())
+        {
+            return Err(format!(
+                "{}:{}: token id {id} is outside the model's vocabulary (vocab_size {} in \
+                 config.json); is {} this model's tokenizer?",
+                calib_path.display(),
+                sample.line,
+                config.vocab_size(),
+                input.join("tokenizer.json").display()
+            )
+            .into());
+        }
+    }
     let stats = CalibStats::of(&calib, Some(args.dense_len));
     if let Some(long) = calib.at_or_above(args.dense_len).first() {
         return Err(format!(
@@ -296,6 +319,17 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.dense_len
         )
         .into());
+    }
+    let tokens: usize = calib.samples.iter().map(|s| s.ids.len()).sum();
+    if tokens < config.hidden_size() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: the calibration set holds {tokens} tokens, fewer than the hidden size {}: \
+             the Hessians cannot be well conditioned and the result will be poor (more \
+             samples, --max-samples, or longer ones, --max-len)",
+            config.hidden_size()
+        );
     }
     if !args.quiet {
         // Before any compute, a standard output that cannot be written is an error.
@@ -342,6 +376,9 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     Ok(())
 }
+
+/// The most worker threads `--threads` starts.
+const MAX_THREADS: usize = 1024;
 
 /// Writes `text` and a newline to standard output and flushes it; the error names standard
 /// output (a closed pipe or a full disk is an error here, not a panic).

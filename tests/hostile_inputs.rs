@@ -42,6 +42,8 @@ fn run_cases() -> ExitCode {
         .filter(|(name, _)| filter.as_ref().is_none_or(|f| name.contains(f.as_str())))
         .collect();
     println!("running {} hostile-input cases", cases.len());
+    // A failed case's message is printed below, with the case's name.
+    std::panic::set_hook(Box::new(|_| {}));
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::new());
     let started = Instant::now();
@@ -729,6 +731,174 @@ fn hugging_face_cache_layout_is_accepted() {
     assert!(sala_export::verify(env.out()).unwrap().is_ok());
 }
 
+// ------------------------------------------------------------------------------------------
+// Classes 8 and 9: silently accepted, unclear errors.
+
+/// Rewrites the model's weights with one more tensor `name` (bf16, `len` values).
+fn add_tensor(env: &Env, name: &str, len: usize) {
+    let path = env.model().join("model.safetensors");
+    let data = fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+    let extra = vec![0u8; 2 * len];
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    views.push((
+        name.to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![len], &extra).unwrap(),
+    ));
+    let bytes = safetensors::serialize(views, None).unwrap();
+    fs::write(&path, bytes).unwrap();
+}
+
+fn an_extra_bias_would_be_dropped() {
+    let env = Env::new();
+    add_tensor(&env, "model.layers.3.self_attn.q_proj.bias", 256);
+    let run = env.quantize(&[]);
+    assert_refused(
+        &run,
+        &["model.layers.3.self_attn.q_proj.bias", "would be dropped"],
+    );
+    assert_nothing_written(&env.out());
+}
+
+fn a_tensor_of_a_layer_beyond_the_config() {
+    let env = Env::new();
+    add_tensor(&env, "model.layers.8.input_layernorm.weight", 256);
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.layers.8.input_layernorm.weight", "no place"]);
+    assert_nothing_written(&env.out());
+}
+
+/// A rotary buffer older checkpoints carry is dropped with a warning: the loaders rebuild it.
+fn a_rotary_buffer_is_dropped_with_a_warning() {
+    let env = Env::new();
+    let name = "model.layers.1.self_attn.rotary_emb.inv_freq";
+    add_tensor(&env, name, 32);
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    assert!(run.stderr.contains(&format!("warning: {name}")), "{run:?}");
+    let ck = sala_export::Checkpoint::open(env.out()).unwrap();
+    assert!(!ck.contains(name));
+}
+
+fn duplicate_layer_bits() {
+    let env = Env::new();
+    let run = env.quantize(&["--layer-bits", "3:4,3:8"]);
+    assert_refused(&run, &["--layer-bits", "3", "twice"]);
+    assert_nothing_written(&env.out());
+}
+
+/// `--max-host-memory 0` keeps the hidden states in a file (its blocks reserved up front).
+fn hidden_states_in_a_file() {
+    let env = Env::new();
+    let run = env.quantize(&["--max-host-memory", "0"]);
+    assert_ok(&run);
+    assert!(
+        run.stderr
+            .contains("hidden states: 0.0 MB in a memory-mapped file"),
+        "{run:?}"
+    );
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+fn a_zero_token_sample_names_its_line() {
+    let env = Env::new();
+    let model = env.model();
+    let path = model.join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = "{% for m in messages %}{% endfor %}".into();
+    fs::write(&path, config.to_string()).unwrap();
+    fs::write(
+        env.calib(),
+        "{\"text\": \"fine\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+    )
+    .unwrap();
+    let run = env.quantize(&["--max-samples", "2"]);
+    assert_refused(&run, &["calib.jsonl:2:", "0 tokens"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_token_id_outside_the_vocabulary_names_its_line() {
+    let env = Env::new();
+    let path = env.model().join("tokenizer.json");
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    tokenizer["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 5000, "content": "<huge>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    fs::write(&path, tokenizer.to_string()).unwrap();
+    fs::write(
+        env.calib(),
+        "{\"text\": \"fine\"}\n\n{\"text\": \"a <huge> token\"}\n",
+    )
+    .unwrap();
+    let run = env.quantize(&["--max-samples", "2"]);
+    // The tokenizer gives the added token the next free id, 2048: one past the embedding.
+    assert_refused(
+        &run,
+        &["calib.jsonl:3:", "token id 2048", "vocab_size 2048"],
+    );
+    assert_nothing_written(&env.out());
+}
+
+fn a_byte_order_mark() {
+    let env = Env::new();
+    fs::write(env.calib(), "\u{feff}{\"text\": \"fine\"}\n").unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["calib.jsonl:1:", "byte-order mark"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_directory_where_a_model_file_belongs(name: &str, needles: &[&str]) {
+    let env = Env::new();
+    let path = env.model().join(name);
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    let run = env.quantize(&[]);
+    let mut all = vec![name];
+    all.extend_from_slice(needles);
+    assert_refused(&run, &all);
+    assert_nothing_written(&env.out());
+}
+
+fn tokenizer_json_is_a_directory() {
+    a_directory_where_a_model_file_belongs("tokenizer.json", &["is a directory"]);
+}
+
+fn model_safetensors_is_a_directory() {
+    a_directory_where_a_model_file_belongs("model.safetensors", &["not a regular file"]);
+}
+
+fn config_json_is_a_directory() {
+    a_directory_where_a_model_file_belongs("config.json", &["directory"]);
+}
+
+fn absurd_thread_counts() {
+    for n in ["5000", "0"] {
+        let env = Env::new();
+        let run = env.quantize(&["--threads", n]);
+        assert_refused(&run, &[&format!("--threads {n}")]);
+        assert_nothing_written(&env.out());
+    }
+}
+
+/// A calibration set smaller than the hidden size runs, with a warning.
+fn a_degenerate_calibration_set_is_warned_about() {
+    let env = Env::new();
+    let run = env.quantize(&["--max-len", "4"]);
+    assert_ok(&run);
+    assert!(
+        run.stderr
+            .contains("warning: the calibration set holds 4 tokens"),
+        "{run:?}"
+    );
+}
+
 /// `(name, case)` pairs, named by the functions.
 macro_rules! cases {
     ($($case:ident),* $(,)?) => {
@@ -764,4 +934,17 @@ const CASES: &[Case] = cases![
     shard_through_a_linked_subdirectory,
     index_with_a_path_out_of_the_model,
     hugging_face_cache_layout_is_accepted,
+    an_extra_bias_would_be_dropped,
+    a_tensor_of_a_layer_beyond_the_config,
+    a_rotary_buffer_is_dropped_with_a_warning,
+    duplicate_layer_bits,
+    hidden_states_in_a_file,
+    a_zero_token_sample_names_its_line,
+    a_token_id_outside_the_vocabulary_names_its_line,
+    a_byte_order_mark,
+    tokenizer_json_is_a_directory,
+    model_safetensors_is_a_directory,
+    config_json_is_a_directory,
+    absurd_thread_counts,
+    a_degenerate_calibration_set_is_warned_about,
 ];

@@ -24,9 +24,14 @@ impl CalibTokenizer {
     pub fn from_model_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
+            let why = match std::fs::metadata(&path) {
+                Ok(meta) if meta.is_dir() => "is a directory, not the tokenizer file",
+                Ok(_) => "is not a regular file",
+                Err(_) => "not found",
+            };
             return Err(CalibError::Io {
                 path,
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
             });
         }
         let tokenizer = Tokenizer::from_file(&path).map_err(|err| CalibError::Tokenizer {
@@ -257,6 +262,15 @@ fn encode_record(
                 line: record.line,
                 message: err.to_string(),
             })?;
+    if encoding.get_ids().is_empty() {
+        return Err(CalibError::Encode {
+            path: path.to_owned(),
+            line: record.line,
+            message: "the record gives 0 tokens (an empty rendered chat template, or text the \
+                      tokenizer drops entirely)"
+                .to_owned(),
+        });
+    }
     Ok(CalibSample {
         line: record.line,
         ids: encoding.get_ids().to_vec(),

@@ -11,6 +11,16 @@ pub enum PlanError {
         /// The item.
         item: String,
     },
+    /// The same layer range given twice (the second would silently win).
+    #[error("--layer-bits names layers {layers} twice ({first} and {second} bits); give each range once (a later, narrower range may override a wider one)")]
+    DuplicateLayerBits {
+        /// The range as written.
+        layers: String,
+        /// Bits of the first rule.
+        first: u32,
+        /// Bits of the second rule.
+        second: u32,
+    },
     /// A layer index beyond the model.
     #[error("--layer-bits names layer {layer}, but the model has {layers} layers")]
     LayerOutOfRange {
@@ -156,6 +166,24 @@ pub enum PipelineError {
     /// The run would need more memory or address space than there is.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// A calibration token id the model's embedding has no row for.
+    #[error("calibration line {line}: token id {id} is outside the model's vocabulary (vocab_size {vocab} in config.json); is tokenizer.json this model's?")]
+    TokenOutOfRange {
+        /// Line of the sample in the calibration file.
+        line: usize,
+        /// The token id.
+        id: u32,
+        /// The model's vocabulary size.
+        vocab: usize,
+    },
+    /// Tensors of the checkpoint that the config has no place for (they would be dropped).
+    #[error("{dir}: {} tensor(s) that config.json has no place for would be dropped, changing the model: {}", names.len(), list_some(names))]
+    UnusedTensors {
+        /// The model directory.
+        dir: std::path::PathBuf,
+        /// The tensors.
+        names: Vec<String>,
+    },
     /// Something the pipeline does not do yet.
     #[error("not supported: {0}")]
     Unsupported(String),
@@ -167,4 +195,13 @@ pub enum PipelineError {
         /// What failed.
         message: String,
     },
+}
+
+/// The first few of `names`, and how many more.
+fn list_some(names: &[String]) -> String {
+    let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
+    match names.len().saturating_sub(shown.len()) {
+        0 => shown.join(", "),
+        more => format!("{}, and {more} more", shown.join(", ")),
+    }
 }

@@ -140,6 +140,13 @@ impl<B: Backend> Pipeline<B> {
         let plan = QuantPlan::build(&config, &self.options.plan)?;
         self.options.check(&plan)?;
         check_copied_finite(&store, &config, &plan)?;
+        check_token_ids(samples, &config)?;
+        for dropped in unused_tensors(&store, &config)? {
+            progress.message(&format!(
+                "warning: {dropped} is not written to the checkpoint (a buffer the loaders \
+                 rebuild)"
+            ));
+        }
         if plan
             .get("lm_head")
             .is_some_and(|l| l.treatment.is_quantized())
@@ -259,6 +266,51 @@ fn check_copied_finite(
         }
     }
     Ok(())
+}
+
+/// Refuses a token id the embedding has no row for, naming the calibration line, before any
+/// compute (the embedding lookup would name only the tensor).
+fn check_token_ids(samples: &[Sample], config: &SalaConfig) -> Result<(), PipelineError> {
+    let vocab = config.vocab_size();
+    for sample in samples {
+        if let Some(&id) = sample.ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(PipelineError::TokenOutOfRange {
+                line: sample.line,
+                id,
+                vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Tensors of the checkpoint that config.json has no place for. Buffers the loaders rebuild
+/// (`rotary_emb.inv_freq`, a tied `lm_head.weight`) are returned, to be dropped with a warning;
+/// anything else (a `q_proj.bias` when `attention_bias` is false, a layer beyond
+/// `num_hidden_layers`) would change the model if dropped, and is refused.
+fn unused_tensors(store: &TensorStore, config: &SalaConfig) -> Result<Vec<String>, PipelineError> {
+    let expected: std::collections::HashSet<String> = config
+        .global_tensor_specs()
+        .into_iter()
+        .chain((0..config.num_layers()).flat_map(|l| config.layer_tensor_specs(l)))
+        .map(|spec| spec.name)
+        .collect();
+    let (harmless, refused): (Vec<String>, Vec<String>) = store
+        .names()
+        .filter(|name| !expected.contains(*name))
+        .map(str::to_owned)
+        .partition(|name| {
+            name.ends_with(".rotary_emb.inv_freq")
+                || (config.tie_word_embeddings() && name == sala_model::LM_HEAD)
+        });
+    if refused.is_empty() {
+        Ok(harmless)
+    } else {
+        Err(PipelineError::UnusedTensors {
+            dir: store.dir().to_path_buf(),
+            names: refused,
+        })
+    }
 }
 
 /// Embedding, final norm and `lm_head`, byte for byte.

@@ -87,6 +87,13 @@ impl LayerBits {
             if a > b {
                 return Err(bad(item));
             }
+            if let Some((_, _, first)) = out.iter().find(|&&(x, y, _)| (x, y) == (a, b)) {
+                return Err(PlanError::DuplicateLayerBits {
+                    layers: layers.trim().to_owned(),
+                    first: *first,
+                    second: bits,
+                });
+            }
             out.push((a, b, bits));
         }
         Ok(Self(out))

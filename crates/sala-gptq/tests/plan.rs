@@ -153,6 +153,16 @@ fn layer_bits_parsing_errors_name_the_item() {
 }
 
 #[test]
+fn a_layer_range_given_twice_is_refused_but_a_narrower_override_is_not() {
+    for dup in ["3:4,3:8", "0-7:4, 0-7:4", "2-5:8,1:4,2 - 5:16"] {
+        let err = LayerBits::parse(dup).unwrap_err().to_string();
+        assert!(err.contains("twice"), "{dup}: {err}");
+    }
+    let bits = LayerBits::parse("0-7:4,3:8").unwrap();
+    assert_eq!((bits.get(2), bits.get(3)), (Some(4), Some(8)));
+}
+
+#[test]
 fn the_table_has_one_row_per_layer() {
     let plan = QuantPlan::build(&sala9b(), &PlanOptions::new(Recipe::Nvfp4)).unwrap();
     let table = plan.to_string();

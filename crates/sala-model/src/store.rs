@@ -112,6 +112,15 @@ impl TensorStore {
             path: path.to_owned(),
             source,
         })?;
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(ModelError::Io {
+                path: path.to_owned(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "not a regular file (a directory where the safetensors file belongs?)",
+                ),
+            });
+        }
         // SAFETY: the map is read-only; the usual caveat of memory maps applies (another process
         // truncating the file while we read it is undefined behaviour), as for every mmap loader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
