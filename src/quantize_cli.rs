@@ -270,6 +270,12 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .calib_data
         .clone()
         .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
+    // What dead runs on this output left: their staging directories go, an old output that a
+    // killed commit had moved aside comes back. Fails now if another run is writing it.
+    for line in sala_export::recover_output(&output)? {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{line}");
+    }
     // Everything the commit would refuse, refused now: an existing output without --overwrite,
     // one --overwrite may not replace, one another run is writing.
     sala_export::check_output(

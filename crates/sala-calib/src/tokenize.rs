@@ -154,9 +154,14 @@ impl CalibSet {
         options: &CalibOptions,
     ) -> Result<Self> {
         if options.max_len == 0 || options.max_samples == Some(0) {
-            return Err(CalibError::Option(
-                "max_len and max_samples must be at least 1".to_owned(),
-            ));
+            return Err(CalibError::Option(format!(
+                "max_len (--max-len) and max_samples (--max-samples) must be at least 1, got {} \
+                 and {}",
+                options.max_len,
+                options
+                    .max_samples
+                    .map_or("all".to_owned(), |n| n.to_string())
+            )));
         }
         if records.records.is_empty() {
             return Err(CalibError::NoSamples {

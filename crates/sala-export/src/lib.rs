@@ -42,7 +42,7 @@ pub use interrupt::remove_staging_on_interrupt;
 pub use reader::{Checkpoint, CheckpointFormat, DenseTensor};
 pub use safetensors::Dtype;
 pub use shards::{ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE};
-pub use staging::{check_output, is_checkpoint_dir, StagedDir, REPORT_FILE};
+pub use staging::{check_output, is_checkpoint_dir, recover_output, StagedDir, REPORT_FILE};
 pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
 pub use verify::{
     marlin_supports, verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,

@@ -221,6 +221,21 @@ pub fn check_output(
     Ok(())
 }
 
+/// Cleans up, under the output's lock, what dead runs on `target` left: removes their staging
+/// directories and puts back an old output that an interrupted commit had moved aside. One
+/// line per action. Fails if another run holds the lock. Does nothing if `target`'s parent
+/// does not exist. (Also done by [`StagedDir::create`]; call it first to have the old output
+/// back before anything else looks at `target`.)
+pub fn recover_output(target: &Path) -> Result<Vec<String>, ExportError> {
+    let (parent, name) = split_target(target)?;
+    let Ok(parent) = fs::canonicalize(&parent) else {
+        return Ok(Vec::new());
+    };
+    let resolved = parent.join(&name);
+    let _lock = OutputLock::acquire(&parent, &name, &resolved)?;
+    Ok(recover_stale(&parent, &name, &resolved))
+}
+
 fn check_existing(target: &Path, overwrite: bool, protected: &[&Path]) -> Result<(), ExportError> {
     let meta = match fs::symlink_metadata(target) {
         Ok(meta) => meta,

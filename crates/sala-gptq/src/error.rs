@@ -30,7 +30,7 @@ pub enum PlanError {
         layers: usize,
     },
     /// A bit width the recipe cannot produce.
-    #[error("{bits} bits is not possible with the {recipe} recipe (allowed: {allowed})")]
+    #[error("{bits} bits is not possible with the {recipe} recipe (allowed: {allowed}; set by --bits, --layer-bits, --minicpm4-bits or --lightning-bits)")]
     Bits {
         /// Requested bits.
         bits: u32,

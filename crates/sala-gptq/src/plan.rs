@@ -322,7 +322,8 @@ fn check_shape(l: &PlannedLinear) -> Result<(), PlanError> {
             }
             if ![2, 4, 8].contains(&bits) {
                 return fail(format!(
-                    "{bits}-bit weights cannot be packed into int32 words (2, 4 or 8)"
+                    "{bits}-bit weights cannot be packed into int32 words (2, 4 or 8; set by \
+                     --bits, --layer-bits, --minicpm4-bits or --lightning-bits)"
                 ));
             }
             if l.out_features % 64 != 0 {
