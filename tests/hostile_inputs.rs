@@ -899,6 +899,644 @@ fn a_degenerate_calibration_set_is_warned_about() {
     );
 }
 
+// ------------------------------------------------------------------------------------------
+// Classes 1, 5, 6: output paths, --overwrite, the lock, leftovers of dead runs, interrupts.
+
+impl Env {
+    /// Runs the command with [`Env::args`] and `extra` in the working directory `cwd`.
+    fn quantize_in(&self, cwd: &Path, extra: &[&str]) -> Run {
+        finish(
+            command(&self.args(extra), cwd),
+            self.root.path(),
+            Duration::from_secs(240),
+        )
+    }
+
+    /// Starts a run long enough to be interrupted (the bundled calibration set, 16 samples of
+    /// up to 512 tokens); stdout and stderr go to files of the case's directory.
+    fn start_long(&self, extra: &[&str]) -> (std::process::Child, PathBuf) {
+        let calib = sala_quant::fixtures_dir().join("calib/calib.jsonl");
+        let calib = calib.to_str().unwrap();
+        let mut flags = vec![
+            "--calib-data",
+            calib,
+            "--max-samples",
+            "16",
+            "--max-len",
+            "512",
+        ];
+        flags.extend_from_slice(extra);
+        let mut cmd = command(&self.args(&flags), self.root.path());
+        let err_path = self.path(&format!("stderr-long-{}.txt", extra.len()));
+        cmd.stdout(Stdio::null())
+            .stderr(fs::File::create(&err_path).unwrap());
+        (cmd.spawn().unwrap(), err_path)
+    }
+
+    /// Names next to the output that start with `.out.`.
+    fn hidden_entries(&self) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(self.root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".out."))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Waits until the run's staging directory exists (the model is open, compute begins).
+    fn wait_for_staging(&self, child: &mut std::process::Child) {
+        let started = Instant::now();
+        while !self
+            .hidden_entries()
+            .iter()
+            .any(|n| n.contains(".partial-"))
+        {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("the run ended ({status:?}) before its staging directory appeared");
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "no staging directory"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+fn signal(child: &std::process::Child, sig: libc::c_int) {
+    // SAFETY: sends a signal to our own child process.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill failed");
+}
+
+/// A real signal during the compute: the staging directory and the lock are removed, a
+/// previous output is intact, and the process ends by that signal.
+fn interrupted_by(sig: libc::c_int, name: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let env = Env::new();
+    let previous = env.previous_output();
+    let (mut child, err_path) = env.start_long(&["--overwrite"]);
+    env.wait_for_staging(&mut child);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(&child, sig);
+    let status = wait(&mut child, Duration::from_secs(60));
+    let stderr = fs::read_to_string(&err_path).unwrap();
+    assert!(
+        status.signal() == Some(sig) || status.code() == Some(128 + sig),
+        "{status:?}: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("interrupted by {name}")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("removed the staging directory"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn sigint_during_the_run() {
+    interrupted_by(libc::SIGINT, "SIGINT");
+}
+
+fn sigterm_during_the_run() {
+    interrupted_by(libc::SIGTERM, "SIGTERM");
+}
+
+fn sighup_during_the_run() {
+    interrupted_by(libc::SIGHUP, "SIGHUP");
+}
+
+/// SIGKILL cannot be caught: its staging directory stays until the next run on the same
+/// output removes it (its process is gone), and that run succeeds.
+fn sigkill_debris_is_removed_by_the_next_run() {
+    let env = Env::new();
+    let (mut child, _) = env.start_long(&[]);
+    env.wait_for_staging(&mut child);
+    signal(&child, libc::SIGKILL);
+    wait(&mut child, Duration::from_secs(60));
+    assert!(
+        env.hidden_entries().iter().any(|n| n.contains(".partial-")),
+        "{:?}",
+        env.hidden_entries()
+    );
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    assert!(run.stderr.contains("a run that did not finish"), "{run:?}");
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+/// Two runs on one output: the second fails at start, naming the lock; the first finishes.
+fn a_second_run_on_the_same_output_fails_at_start() {
+    let env = Env::new();
+    let (mut first, _) = env.start_long(&[]);
+    env.wait_for_staging(&mut first);
+    let started = Instant::now();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["another run is writing", ".out.lock", "by process"]);
+    assert!(started.elapsed() < Duration::from_secs(30), "not at start");
+    // The first run is not disturbed: stop it and check it cleans up after itself.
+    signal(&first, libc::SIGTERM);
+    wait(&mut first, Duration::from_secs(60));
+    assert_no_debris(&env.out());
+    assert!(!env.out().exists());
+}
+
+fn the_staging_directory_of_a_dead_run_is_removed() {
+    let env = Env::new();
+    let dead = env.path(".out.partial-999999999-AbC123");
+    fs::create_dir(&dead).unwrap();
+    fs::write(dead.join("model.safetensors"), "half-written").unwrap();
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    assert!(
+        run.stderr.contains(".out.partial-999999999-AbC123"),
+        "{run:?}"
+    );
+    assert_no_debris(&env.out());
+}
+
+/// A staging directory whose process is alive (this test's) is never touched.
+fn the_staging_directory_of_a_live_process_is_kept() {
+    let env = Env::new();
+    let live = env.path(&format!(".out.partial-{}-AbC123", std::process::id()));
+    fs::create_dir(&live).unwrap();
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    assert!(live.is_dir(), "a live run's staging directory was removed");
+    fs::remove_dir(&live).unwrap();
+    assert_no_debris(&env.out());
+}
+
+/// A commit killed between its two renames left the old output aside: the next run puts it
+/// back first (and then, without --overwrite, refuses to replace it).
+fn an_old_output_moved_aside_by_a_killed_commit_comes_back() {
+    let env = Env::new();
+    let previous = env.previous_output();
+    let aside = env.path(".out.replaced-999999999-42");
+    fs::rename(env.out(), &aside).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["already exists", "--overwrite"]);
+    assert!(
+        run.stderr.contains("put the previous output back"),
+        "{run:?}"
+    );
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn an_existing_output_without_overwrite() {
+    let env = Env::new();
+    let previous = env.previous_output();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["out", "already exists", "--overwrite"]);
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn overwrite_replaces_a_previous_checkpoint() {
+    let env = Env::new();
+    env.previous_output();
+    let run = env.quantize(&["--overwrite"]);
+    assert_ok(&run);
+    let report = fs::read_to_string(env.out().join("quantization_report.json")).unwrap();
+    assert!(report.contains("\"calibration\""), "the new report");
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+fn overwrite_refuses_a_directory_of_user_files() {
+    let env = Env::new();
+    let out = env.out();
+    fs::create_dir(&out).unwrap();
+    fs::write(out.join("thesis.tex"), "years of work").unwrap();
+    let before = Snapshot::of(&out);
+    let run = env.quantize(&["--overwrite"]);
+    assert_refused(
+        &run,
+        &["refusing to overwrite", "not a quantized checkpoint"],
+    );
+    before.assert_intact(&out);
+    assert_no_debris(&out);
+}
+
+fn overwrite_refuses_the_calibration_files_directory() {
+    let env = Env::new();
+    let dir = env.path("data");
+    fs::create_dir(&dir).unwrap();
+    let calib = dir.join("calib.jsonl");
+    fs::copy(env.calib(), &calib).unwrap();
+    let before = Snapshot::of(&dir);
+    let args: Vec<OsString> = env
+        .args(&["--overwrite"])
+        .into_iter()
+        .map(|a| {
+            if a == env.calib().as_os_str() {
+                calib.clone().into()
+            } else if a == env.out().as_os_str() {
+                dir.clone().into()
+            } else {
+                a
+            }
+        })
+        .collect();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["refusing to overwrite", "calib.jsonl"]);
+    before.assert_intact(&dir);
+    assert_no_debris(&dir);
+}
+
+fn overwrite_refuses_the_working_directory() {
+    let env = Env::new();
+    let previous = env.previous_output();
+    let run = env.quantize_in(&env.out(), &["--overwrite"]);
+    assert_refused(&run, &["refusing to overwrite", "working directory"]);
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+fn overwrite_refuses_a_plain_file() {
+    let env = Env::new();
+    fs::write(env.out(), "not a directory").unwrap();
+    let run = env.quantize(&["--overwrite"]);
+    assert_refused(&run, &["refusing to overwrite", "is a file"]);
+    assert_eq!(fs::read_to_string(env.out()).unwrap(), "not a directory");
+    assert_no_debris(&env.out());
+}
+
+fn overwrite_refuses_a_symbolic_link() {
+    let env = Env::new();
+    let real = env.path("real");
+    fs::create_dir(&real).unwrap();
+    fs::write(real.join("quantization_report.json"), "{}").unwrap();
+    let before = Snapshot::of(&real);
+    std::os::unix::fs::symlink(&real, env.out()).unwrap();
+    let run = env.quantize(&["--overwrite"]);
+    assert_refused(&run, &["refusing to overwrite", "symbolic link"]);
+    before.assert_intact(&real);
+    assert!(fs::symlink_metadata(env.out())
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_no_debris(&env.out());
+}
+
+fn the_model_directory_as_output() {
+    let env = Env::new();
+    let model = env.model();
+    let before = Snapshot::of(&model);
+    let mut args = env.args(&["--overwrite"]);
+    let at = args.iter().position(|a| a == "--output").unwrap();
+    args[at + 1] = model.clone().into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["source model directory"]);
+    before.assert_intact(&model);
+}
+
+fn an_output_inside_the_model_directory() {
+    let env = Env::new();
+    let model = env.model();
+    let before = Snapshot::of(&model);
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--output").unwrap();
+    args[at + 1] = model.join("quantized").into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["source model directory"]);
+    before.assert_intact(&model);
+}
+
+fn an_output_below_a_file() {
+    let env = Env::new();
+    let file = env.path("plain");
+    fs::write(&file, "x").unwrap();
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--output").unwrap();
+    args[at + 1] = file.join("out").into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["plain"]);
+    assert_eq!(fs::read_to_string(&file).unwrap(), "x");
+}
+
+/// Missing parent directories are created for the output, and only then.
+fn an_output_under_missing_directories() {
+    let env = Env::new();
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--output").unwrap();
+    let out = env.path("a/b/out");
+    args[at + 1] = out.clone().into();
+    let run = env.run_args(&args);
+    assert_ok(&run);
+    assert!(sala_export::verify(&out).unwrap().is_ok());
+    assert_no_debris(&out);
+    // A refused run creates none of them.
+    let env = Env::new();
+    let mut args = env.args(&["--bits", "3"]);
+    let at = args.iter().position(|a| a == "--output").unwrap();
+    args[at + 1] = env.path("c/d/out").into();
+    assert_refused(&env.run_args(&args), &["3-bit"]);
+    assert!(!env.path("c").exists());
+}
+
+// ------------------------------------------------------------------------------------------
+// Model files and the shard index.
+
+fn input_flag(env: &Env, path: &Path, extra: &[&str]) -> Run {
+    let mut args = env.args(extra);
+    let at = args.iter().position(|a| a == "--input").unwrap();
+    args[at + 1] = path.into();
+    env.run_args(&args)
+}
+
+fn a_missing_model_directory() {
+    let env = Env::new();
+    let run = input_flag(&env, &env.path("no-such-model"), &[]);
+    assert_refused(&run, &["no-such-model"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_missing_config() {
+    let env = Env::new();
+    fs::remove_file(env.model().join("config.json")).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["config.json"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_truncated_config() {
+    let env = Env::new();
+    let path = env.model().join("config.json");
+    let text = fs::read_to_string(&path).unwrap();
+    fs::write(&path, &text[..text.len() / 2]).unwrap();
+    let run = env.quantize(&["--plan-only"]);
+    assert_refused(&run, &["config.json", "line"]);
+    assert_nothing_written(&env.out());
+}
+
+fn an_unsupported_model_type() {
+    let env = Env::new();
+    edit_config(&env, |c| c["model_type"] = "gpt2".into());
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["config.json", "model_type \"gpt2\""]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_truncated_weights_file() {
+    let env = Env::new();
+    let path = env.model().join("model.safetensors");
+    let data = fs::read(&path).unwrap();
+    fs::write(&path, &data[..data.len() / 2]).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.safetensors"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_weights_file_with_a_garbage_header() {
+    let env = Env::new();
+    let path = env.model().join("model.safetensors");
+    let mut data = fs::read(&path).unwrap();
+    data[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    fs::write(&path, data).unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.safetensors", "safetensors"]);
+    assert_nothing_written(&env.out());
+}
+
+fn an_empty_weights_file() {
+    let env = Env::new();
+    fs::write(env.model().join("model.safetensors"), b"").unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.safetensors"]);
+    assert_nothing_written(&env.out());
+}
+
+/// Rewrites the model's weights through `edit` of (name, dtype, shape, bytes).
+fn rewrite_tensors(
+    env: &Env,
+    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let path = env.model().join("model.safetensors");
+    let data = fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn a_missing_tensor() {
+    let env = Env::new();
+    let name = "model.layers.5.mlp.gate_proj.weight";
+    rewrite_tensors(&env, |t| t.retain(|(n, ..)| n != name));
+    let run = env.quantize(&[]);
+    assert_refused(&run, &[name, "missing"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_tensor_of_the_wrong_shape() {
+    let env = Env::new();
+    let name = "model.layers.1.self_attn.o_proj.weight";
+    rewrite_tensors(&env, |t| {
+        let entry = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        entry.2 = vec![128, 512];
+    });
+    let run = env.quantize(&[]);
+    assert_refused(&run, &[name, "shape [128, 512]", "expected [256, 256]"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_tensor_of_an_integer_dtype() {
+    let env = Env::new();
+    let name = "model.norm.weight";
+    rewrite_tensors(&env, |t| {
+        let entry = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        entry.1 = safetensors::Dtype::I16;
+    });
+    let run = env.quantize(&[]);
+    assert_refused(&run, &[name, "dtype"]);
+    assert_nothing_written(&env.out());
+}
+
+fn an_index_naming_a_missing_shard() {
+    let env = Env::new();
+    write_index(&env.model(), "model-00001-of-00002.safetensors");
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model-00001-of-00002.safetensors"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_malformed_index() {
+    let env = Env::new();
+    fs::write(
+        env.model().join("model.safetensors.index.json"),
+        "{\"weight_map\": [",
+    )
+    .unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["model.safetensors.index.json"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_malformed_tokenizer() {
+    let env = Env::new();
+    fs::write(env.model().join("tokenizer.json"), "{\"model\": 42}").unwrap();
+    let run = env.quantize(&[]);
+    assert_refused(&run, &["tokenizer.json"]);
+    assert_nothing_written(&env.out());
+}
+
+// ------------------------------------------------------------------------------------------
+// Calibration files.
+
+fn calibration(text: &[u8], extra: &[&str], needles: &[&str]) {
+    let env = Env::new();
+    fs::write(env.calib(), text).unwrap();
+    let run = env.quantize(extra);
+    assert_refused(&run, needles);
+    assert_nothing_written(&env.out());
+}
+
+fn a_missing_calibration_file() {
+    let env = Env::new();
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--calib-data").unwrap();
+    args[at + 1] = env.path("no-such-calib.jsonl").into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["no-such-calib.jsonl"]);
+    assert_nothing_written(&env.out());
+}
+
+fn an_empty_calibration_file() {
+    calibration(b"\n\n", &[], &["calib.jsonl", "no calibration samples"]);
+}
+
+fn a_malformed_calibration_line() {
+    calibration(
+        b"{\"text\": \"ok\"}\n{not json\n",
+        &[],
+        &["calib.jsonl:2:", "not valid JSON"],
+    );
+}
+
+fn a_calibration_line_that_is_not_an_object() {
+    calibration(
+        b"[1, 2, 3]\n",
+        &[],
+        &["calib.jsonl:1:", "not a JSON object"],
+    );
+}
+
+fn a_calibration_line_without_text() {
+    calibration(
+        b"{\"answer\": \"x\"}\n",
+        &[],
+        &["calib.jsonl:1:", "`question`, `text` or `messages`"],
+    );
+}
+
+fn invalid_utf8_in_a_calibration_line() {
+    calibration(
+        b"{\"text\": \"ok\"}\n\xff\xfe\xfd\n",
+        &[],
+        &["calib.jsonl:2:", "UTF-8"],
+    );
+}
+
+fn only_malformed_lines_with_skip_malformed() {
+    calibration(
+        b"{bad\n[1]\n",
+        &["--skip-malformed"],
+        &["no calibration samples", "2 malformed"],
+    );
+}
+
+fn a_directory_as_calibration_file() {
+    let env = Env::new();
+    let dir = env.path("calib-dir");
+    fs::create_dir(&dir).unwrap();
+    let mut args = env.args(&[]);
+    let at = args.iter().position(|a| a == "--calib-data").unwrap();
+    args[at + 1] = dir.into();
+    let run = env.run_args(&args);
+    assert_refused(&run, &["calib-dir"]);
+    assert_nothing_written(&env.out());
+}
+
+fn a_sample_beyond_dense_len() {
+    let env = Env::new();
+    let run = env.quantize(&["--dense-len", "8"]);
+    assert_refused(
+        &run,
+        &["calib.jsonl", "calibration line 1", "--dense-len 8"],
+    );
+    assert_nothing_written(&env.out());
+}
+
+// ------------------------------------------------------------------------------------------
+// Options.
+
+fn option(extra: &[&str], needles: &[&str]) {
+    let env = Env::new();
+    let run = env.quantize(extra);
+    assert_refused(&run, needles);
+    assert_nothing_written(&env.out());
+}
+
+fn zero_max_len_or_samples() {
+    option(&["--max-len", "0"], &["--max-len"]);
+    option(&["--max-samples", "0"], &["--max-samples"]);
+}
+
+fn bit_widths_that_cannot_be_served() {
+    option(&["--bits", "3"], &["--bits", "3-bit"]);
+    option(&["--recipe", "nvfp4", "--bits", "8"], &["8 bits", "nvfp4"]);
+    option(&["--layer-bits", "2:2"], &["model.layers.2.", "2-bit"]);
+}
+
+fn a_layer_beyond_the_model() {
+    option(
+        &["--layer-bits", "99:8"],
+        &["--layer-bits", "layer 99", "8 layers"],
+    );
+}
+
+fn a_group_size_marlin_does_not_serve() {
+    option(&["--group-size", "96"], &["group size 96"]);
+}
+
+fn an_exclude_pattern_that_does_not_compile() {
+    option(&["--exclude", "(unclosed"], &["--exclude", "(unclosed"]);
+}
+
+fn cuda_in_a_build_without_it() {
+    option(&["--device", "cuda"], &["--device cuda", "--features cuda"]);
+}
+
+fn nvfp4_search_options_out_of_range() {
+    option(&["--recipe", "nvfp4", "--mse-iters", "0"], &["--mse-iters"]);
+}
+
+/// A flag that does not exist is a usage error: exit status 2, no panic, nothing written.
+fn an_unknown_flag_is_a_usage_error() {
+    let env = Env::new();
+    let run = env.quantize(&["--bogus-flag"]);
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(2), "{run:?}");
+    assert!(run.stderr.contains("--bogus-flag"), "{run:?}");
+    assert_nothing_written(&env.out());
+}
+
 /// `(name, case)` pairs, named by the functions.
 macro_rules! cases {
     ($($case:ident),* $(,)?) => {
@@ -947,4 +1585,53 @@ const CASES: &[Case] = cases![
     config_json_is_a_directory,
     absurd_thread_counts,
     a_degenerate_calibration_set_is_warned_about,
+    sigint_during_the_run,
+    sigterm_during_the_run,
+    sighup_during_the_run,
+    sigkill_debris_is_removed_by_the_next_run,
+    a_second_run_on_the_same_output_fails_at_start,
+    the_staging_directory_of_a_dead_run_is_removed,
+    the_staging_directory_of_a_live_process_is_kept,
+    an_old_output_moved_aside_by_a_killed_commit_comes_back,
+    an_existing_output_without_overwrite,
+    overwrite_replaces_a_previous_checkpoint,
+    overwrite_refuses_a_directory_of_user_files,
+    overwrite_refuses_the_calibration_files_directory,
+    overwrite_refuses_the_working_directory,
+    overwrite_refuses_a_plain_file,
+    overwrite_refuses_a_symbolic_link,
+    the_model_directory_as_output,
+    an_output_inside_the_model_directory,
+    an_output_below_a_file,
+    an_output_under_missing_directories,
+    a_missing_model_directory,
+    a_missing_config,
+    a_truncated_config,
+    an_unsupported_model_type,
+    a_truncated_weights_file,
+    a_weights_file_with_a_garbage_header,
+    an_empty_weights_file,
+    a_missing_tensor,
+    a_tensor_of_the_wrong_shape,
+    a_tensor_of_an_integer_dtype,
+    an_index_naming_a_missing_shard,
+    a_malformed_index,
+    a_malformed_tokenizer,
+    a_missing_calibration_file,
+    an_empty_calibration_file,
+    a_malformed_calibration_line,
+    a_calibration_line_that_is_not_an_object,
+    a_calibration_line_without_text,
+    invalid_utf8_in_a_calibration_line,
+    only_malformed_lines_with_skip_malformed,
+    a_directory_as_calibration_file,
+    a_sample_beyond_dense_len,
+    zero_max_len_or_samples,
+    bit_widths_that_cannot_be_served,
+    a_layer_beyond_the_model,
+    a_group_size_marlin_does_not_serve,
+    an_exclude_pattern_that_does_not_compile,
+    cuda_in_a_build_without_it,
+    nvfp4_search_options_out_of_range,
+    an_unknown_flag_is_a_usage_error,
 ];
