@@ -93,7 +93,8 @@ pub struct QuantizeOptions {
     pub skip_failed_samples: bool,
     /// Also quantize every linear with RTN to report its error next to the solver's.
     pub compare_rtn: bool,
-    /// Replace an existing output directory (only once the new one is complete).
+    /// Replace an existing output directory, only once the new one is complete and verified,
+    /// and only if it is a quantized checkpoint or empty (see `sala_export::StagedDir`).
     pub overwrite: bool,
     /// Maximum bytes per safetensors shard.
     pub max_shard_bytes: u64,
