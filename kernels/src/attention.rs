@@ -313,7 +313,7 @@ fn work_list(offsets: &[usize], tokens_per_cube: usize) -> Vec<u32> {
 }
 
 /// A whole buffer of `F` as a kernel array argument.
-fn typed_arg<R: Runtime, F: CubeElement>(handle: &Handle) -> ArrayArg<R> {
+pub(crate) fn typed_arg<R: Runtime, F: CubeElement>(handle: &Handle) -> ArrayArg<R> {
     let len = handle.size_in_used() as usize / size_of::<F>();
     // SAFETY: the length is the buffer's own length in elements of `F`, so every in-bounds
     // index is inside the allocation (and the launch is bounds-checked as well).

@@ -45,7 +45,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::bf16;
 
-use crate::attention::{check_inputs, AttentionShape};
+use crate::attention::{check_inputs, typed_arg, AttentionShape};
 use crate::device::upload_slice;
 use crate::error::{flush, KernelError};
 use crate::launch::{check_addressable, cube_count};
@@ -258,7 +258,7 @@ pub fn flash_attention_bf16_with<R: Runtime>(
         vector_arg::<R>(q),
         vector_arg::<R>(k),
         vector_arg::<R>(v),
-        scalar_arg::<R>(out),
+        typed_arg::<R, bf16>(out),
         // SAFETY: the work list holds exactly `3 · items` u32 values.
         unsafe { ArrayArg::from_raw_parts(work, 3 * items) },
         FlashArgsLaunch::new(shape.heads, shape.kv_heads, group, items, shape.scale),
@@ -274,13 +274,6 @@ pub fn flash_attention_bf16_with<R: Runtime>(
 fn vector_arg<R: Runtime>(handle: &Handle) -> ArrayArg<R> {
     let len = handle.size_in_used() as usize / (VEC * size_of::<bf16>());
     // SAFETY: the length is the buffer's own length in vectors, every index inside it.
-    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
-}
-
-/// A whole bf16 buffer as an array of scalars.
-fn scalar_arg<R: Runtime>(handle: &Handle) -> ArrayArg<R> {
-    let len = handle.size_in_used() as usize / size_of::<bf16>();
-    // SAFETY: as in `vector_arg`.
     unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
 }
 
