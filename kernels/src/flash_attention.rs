@@ -39,8 +39,6 @@
 
 use std::cmp::Reverse;
 
-use cubecl::ir::features::MmaConfig;
-use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::bf16;
@@ -48,7 +46,7 @@ use half::bf16;
 use crate::attention::{check_inputs, typed_arg, AttentionShape};
 use crate::device::upload_slice;
 use crate::error::{flush, KernelError};
-use crate::launch::{check_addressable, cube_count};
+use crate::launch::{bf16_cmma_supported, check_addressable, cube_count};
 
 /// Head dimensions the kernel is compiled for (each lane holds `head_dim / 2` output values
 /// in registers).
@@ -123,19 +121,7 @@ fn shared_bytes(head_dim: usize, planes: usize) -> usize {
 /// Whether `client`'s runtime offers the 16×16×16 bf16 → f32 cooperative matrices the kernel
 /// is built on, with 32-unit planes.
 pub fn flash_attention_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
-    let bf16_type = ElemType::Float(FloatKind::BF16).into();
-    let config = MmaConfig {
-        a_type: bf16_type,
-        b_type: bf16_type,
-        cd_type: ElemType::Float(FloatKind::F32).into(),
-        m: TILE as u32,
-        n: TILE as u32,
-        k: TILE as u32,
-    };
-    let hardware = &client.properties().hardware;
-    client.features().matmul.cmma.contains(&config)
-        && hardware.plane_size_min as usize == PLANE
-        && hardware.plane_size_max as usize == PLANE
+    bf16_cmma_supported(client)
 }
 
 /// `[seq_start, seq_len, first_row]` of every cube's work item (rows numbered group-major

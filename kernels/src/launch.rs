@@ -1,6 +1,8 @@
 //! Launch geometry shared by the kernels: how many cubes of how many units cover `n` work
 //! items within the device's limits.
 
+use cubecl::ir::features::MmaConfig;
+use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::{ComputeClient, CubeCount, CubeDim};
 use cubecl::Runtime;
 
@@ -52,4 +54,28 @@ pub(crate) fn check_addressable(what: &'static str, n: usize) -> Result<(), Kern
         ));
     }
     Ok(())
+}
+
+/// Rows, columns and depth of the cooperative matrix tiles the tensor-core kernels use.
+const CMMA_TILE: u32 = 16;
+
+/// Units per plane the tensor-core kernels are written for (CUDA's warp).
+const CMMA_PLANE: u32 = 32;
+
+/// Whether `client`'s runtime offers 16×16×16 bf16 → f32 cooperative matrices with 32-unit
+/// planes, what the tensor-core kernels are built on.
+pub(crate) fn bf16_cmma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let bf16_type = ElemType::Float(FloatKind::BF16).into();
+    let config = MmaConfig {
+        a_type: bf16_type,
+        b_type: bf16_type,
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: CMMA_TILE,
+        n: CMMA_TILE,
+        k: CMMA_TILE,
+    };
+    let hardware = &client.properties().hardware;
+    client.features().matmul.cmma.contains(&config)
+        && hardware.plane_size_min == CMMA_PLANE
+        && hardware.plane_size_max == CMMA_PLANE
 }

@@ -21,6 +21,8 @@
 //!   sequences ([`causal_gqa_attention`]);
 //! - [`flash_attention`]: the same attention on the tensor cores (bf16 cooperative matrices),
 //!   where the runtime offers them ([`flash_attention_bf16`]);
+//! - [`gla`]: chunked Simple GLA (one constant decay per head) over packed sequences on the
+//!   tensor cores, in f32 precision ([`simple_gla_bf16`]);
 //! - [`softmax`]: the causally masked row softmax of blocked (cuBLAS) attention
 //!   ([`causal_softmax_rows`]);
 //! - [`error`]: the one error type, [`KernelError`].
@@ -35,6 +37,7 @@ pub mod flash_attention;
 pub mod flip;
 pub mod gates;
 pub mod gemm;
+pub mod gla;
 pub mod gptq;
 pub mod hessian;
 pub mod hessian_ops;
@@ -48,6 +51,7 @@ pub use device::{DeviceVec, Element, MatrixView};
 pub use error::KernelError;
 pub use flash_attention::{flash_attention_bf16, flash_attention_supported, FlashTiling};
 pub use gemm::{CubeGemm, Gemm};
+pub use gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GlaTiling};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};

@@ -302,7 +302,7 @@ pub fn measure_case<B: Backend>(
 /// runner's [`FastOps`](sala_model::FastOps)) or the chunked Simple GLA (lightning).
 #[derive(Debug, Clone, Serialize)]
 pub struct MixerMeasurement {
-    /// `causal_attention` or `chunked_gla`.
+    /// `causal_attention`, `simple_gla` (the fast op) or `chunked_gla` (the graph's).
     pub op: String,
     /// The case's name.
     pub case: String,
@@ -310,9 +310,9 @@ pub struct MixerMeasurement {
     pub seconds: f64,
     /// The op's share of [`layer_flop`] (attention or GLA) over `seconds`, in TFLOP/s.
     pub tflops: f64,
-    /// Attention on packs of at most [`GRAPH_CHECK_TOKENS`] tokens and sequences of at most
-    /// [`GRAPH_CHECK_LEN`]: `max |fast − graph| /
-    /// max |graph|` against the Burn graph's blocked attention on the same inputs (the
+    /// Fast ops on packs of at most [`GRAPH_CHECK_TOKENS`] tokens (attention: of sequences of
+    /// at most [`GRAPH_CHECK_LEN`]; GLA: of equal lengths): `max |fast − graph| / max |graph|`
+    /// against the Burn graph (blocked attention, chunked GLA) on the same inputs (the
     /// reference the fast kernel must match; bf16 output rounding is ~4e-3).
     pub max_rel_diff_vs_graph: Option<f64>,
 }
@@ -385,23 +385,67 @@ pub fn measure_mixer<B: Backend>(
             let len = case.lengths[0];
             let count = case.lengths.len();
             let decays = sala_model::ops::gla::log_decays(h.heads);
-            let shape = [count * h.heads, len, h.head_dim];
-            let (q, k, v) = (random(shape), random(shape), random(shape));
+            let scale = 1.0 / (h.head_dim as f64).sqrt();
             let chunk = runner.options().gla_chunk;
-            (
-                "chunked_gla",
-                Box::new(move || {
-                    let out = sala_model::ops::gla::chunked(
-                        q.clone(),
-                        k.clone(),
-                        v.clone(),
+            let q = random([tokens, h.heads, h.head_dim]);
+            let k = random([tokens, h.heads, h.head_dim]);
+            let v = random([tokens, h.heads, h.head_dim]);
+            // [count·len, heads, d] → [count·heads, len, d], as the graph runs equal lengths.
+            let by_head = move |x: Tensor<B, 3>| {
+                x.reshape([count, len, h.heads, h.head_dim])
+                    .swap_dims(1, 2)
+                    .reshape([count * h.heads, len, h.head_dim])
+            };
+            let graph = {
+                let (q, k, v, decays) = (q.clone(), k.clone(), v.clone(), decays.clone());
+                move || {
+                    sala_model::ops::gla::chunked(
+                        by_head(to_f32(q.clone()).mul_scalar(scale)),
+                        by_head(k.clone()),
+                        by_head(v.clone()),
                         &decays,
                         chunk,
-                    );
-                    drop(out);
-                    Ok(())
-                }),
-            )
+                    )
+                    .reshape([count, h.heads, len, h.head_dim])
+                    .swap_dims(1, 2)
+                    .reshape([tokens, h.heads * h.head_dim])
+                }
+            };
+            let uniform = case.lengths.iter().all(|&l| l == len);
+            let fast = runner.fast_ops();
+            let fast_out = match fast {
+                Some(fast) => fast.simple_gla(&q, &k, &v, &case.lengths, &decays, scale as f32)?,
+                None => None,
+            };
+            match (fast, fast_out) {
+                (Some(fast), Some(fast_out)) => {
+                    if tokens <= GRAPH_CHECK_TOKENS && uniform {
+                        let want = graph();
+                        let diff = (to_f32(fast_out) - want.clone())
+                            .abs()
+                            .max()
+                            .into_scalar()
+                            .elem::<f64>();
+                        let top = want.abs().max().into_scalar().elem::<f64>();
+                        check = Some(diff / top.max(f64::MIN_POSITIVE));
+                    }
+                    let lengths = case.lengths.clone();
+                    (
+                        "simple_gla",
+                        Box::new(move || {
+                            fast.simple_gla(&q, &k, &v, &lengths, &decays, scale as f32)?;
+                            Ok(())
+                        }),
+                    )
+                }
+                _ => (
+                    "chunked_gla",
+                    Box::new(move || {
+                        drop(graph());
+                        Ok(())
+                    }),
+                ),
+            }
         }
         LayerKind::Minicpm4 | LayerKind::Llama => {
             let Some(fast) = runner.fast_ops() else {

@@ -76,6 +76,25 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// Simple GLA (one constant decay per head) over sequences of `lengths` lying back to back
+    /// (the state restarts with each): `o_t = scale · q_t S_t`, `S_t = γ_h S_{t−1} + k_tᵀ v_t`,
+    /// `γ_h = e^{log_decays[h]}`, for `q`, `k`, `v` `[tokens, heads, d]` in the storage dtype
+    /// (`q` not yet scaled). Returns `[tokens, heads·d]` in the storage dtype: the f32 result
+    /// rounded once, as the graph's [`crate::ops::gla::chunked`] is rounded; `Ok(None)` as
+    /// [`FastOps::swiglu`].
+    fn simple_gla(
+        &self,
+        q: &Tensor<B, 3>,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        lengths: &[usize],
+        log_decays: &[f64],
+        scale: f32,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (q, k, v, lengths, log_decays, scale);
+        Ok(None)
+    }
+
     /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
     /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
     /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
@@ -160,12 +179,14 @@ mod cube {
     use cubecl::cuda::CudaRuntime;
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::cuda::{
-        blocked_causal_attention_bf16, linear_bf16, xtx_bf16, Bf16Matrix, Cublas, LinearShape,
+        blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, LinearShape,
+        XtxRun,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
     };
     use sala_kernels::gates::{rms_norm, scaled_residual, sigmoid_gate, swiglu};
+    use sala_kernels::gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GLA_HEAD_DIMS};
 
     /// Without the tensor-core flash kernel (a head dimension it is not compiled for),
     /// sequences from this length on take the cuBLAS-blocked attention (2.3 s at 131072
@@ -311,17 +332,22 @@ mod cube {
                 cols: dim,
                 row_stride: dim,
             };
-            // Neighbours of equal length share their weight 1/T: one product for the run
+            // Neighbours of equal length share their weight 1/T: one run of rows for them
             // (Σ XᵢᵀXᵢ/T = XᵀX/T over their rows), exact and with a long inner dimension.
-            for (start, len, count) in equal_runs(lengths) {
-                let run = Bf16Matrix {
-                    handle: x.handle.clone().offset_start((start * dim * 2) as u64),
+            let runs: Vec<XtxRun> = equal_runs(lengths)
+                .into_iter()
+                .map(|(start, len, count)| XtxRun {
+                    first_row: start,
                     rows: len * count,
-                    cols: dim,
-                };
-                xtx_bf16(&x.client, blas, &run, &view, 1.0 / len as f32, 1.0)
-                    .map_err(kernel_error("XᵀX"))?;
-            }
+                    weight: 1.0 / len as f32,
+                })
+                .collect();
+            let all = Bf16Matrix {
+                handle: x.handle.clone(),
+                rows: tokens,
+                cols: dim,
+            };
+            xtx_runs_bf16(&x.client, blas, &all, &runs, &view).map_err(kernel_error("XᵀX"))?;
             drop(view);
             Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))
         }
@@ -427,6 +453,61 @@ mod cube {
                 x.device.clone(),
                 [tokens, out_features].into(),
                 y,
+                DType::BF16,
+            );
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
+        fn simple_gla(
+            &self,
+            q: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            k: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            v: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            lengths: &[usize],
+            log_decays: &[f64],
+            scale: f32,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            let [tokens, heads, head_dim] = q.dims();
+            if k.dims() != q.dims() || v.dims() != q.dims() {
+                return Err(ModelError::InvalidInput(format!(
+                    "gla of q {:?}, k {:?}, v {:?}",
+                    q.dims(),
+                    k.dims(),
+                    v.dims()
+                )));
+            }
+            if [q.dtype(), k.dtype(), v.dtype()] != [DType::BF16; 3]
+                || !GLA_HEAD_DIMS.contains(&head_dim)
+            {
+                return Ok(None);
+            }
+            let (q, k, v) = (
+                primitive(q.clone()),
+                primitive(k.clone()),
+                primitive(v.clone()),
+            );
+            if !simple_gla_supported(&q.client) {
+                return Ok(None);
+            }
+            let out = q.client.empty(tokens * heads * head_dim * 2);
+            let shape = GlaShape {
+                heads,
+                head_dim,
+                scale,
+            };
+            simple_gla_bf16(
+                &q.client,
+                &shape,
+                &sequence_offsets(lengths),
+                log_decays,
+                [&q.handle, &k.handle, &v.handle, &out],
+            )
+            .map_err(kernel_error("simple gla"))?;
+            let out = CubeTensor::new_contiguous(
+                q.client.clone(),
+                q.device.clone(),
+                [tokens, heads * head_dim].into(),
+                out,
                 DType::BF16,
             );
             Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))

@@ -362,7 +362,9 @@ impl<B: Backend> LayerRunner<B> {
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| {
             Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
         };
-        self.lightning_qkv(&w, &a, &[tokens], &mut apply)
+        let [q, k, v] = self.lightning_qkv(&w, &a, &[tokens], &mut apply)?;
+        let scale = 1.0 / (q.dims()[2] as f64).sqrt();
+        Ok([to_f32(q).mul_scalar(scale), k, v])
     }
 
     /// Runs decoder layer `weights.layer` on `hidden` `[tokens, hidden]` and returns its output.
@@ -613,24 +615,33 @@ impl<B: Backend> LayerRunner<B> {
         let hidden = self.config.hidden_size();
         let (heads, d) = (dims.heads, dims.head_dim);
         let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
-        let out = self.gla(q, k, v, lengths);
+        let out = self.gla(q, k, v, lengths, 1.0 / (d as f64).sqrt())?;
         let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?)?;
         let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
         let gated = self.sigmoid_gate(out, gate)?;
         apply("self_attn.o_proj", gated, [hidden, heads * d])
     }
 
-    /// The chunked GLA of every sequence of the pack, `[tokens, heads·d]` rounded: sequences
-    /// of equal length next to each other run as one batch (their heads side by side).
+    /// The Simple GLA of every sequence of the pack for `q` (not yet multiplied by `scale`),
+    /// `k`, `v` `[tokens, heads, d]`, `[tokens, heads·d]` rounded: the fast op where there is
+    /// one, else the graph's chunked form, sequences of equal length next to each other as
+    /// one batch (their heads side by side).
     fn gla(
         &self,
         q: Tensor<B, 3>,
         k: Tensor<B, 3>,
         v: Tensor<B, 3>,
         lengths: &[usize],
-    ) -> Tensor<B, 2> {
+        scale: f64,
+    ) -> Result<Tensor<B, 2>> {
         let [_, heads, d] = q.dims();
         let decays = gla::log_decays(heads);
+        if let Some(fast) = &self.fast {
+            if let Some(out) = fast.simple_gla(&q, &k, &v, lengths, &decays, scale as f32)? {
+                return Ok(out);
+            }
+        }
+        let q = to_f32(q).mul_scalar(scale);
         let outs: Vec<Tensor<B, 2>> = equal_runs(lengths)
             .into_iter()
             .map(|(start, len, count)| {
@@ -654,7 +665,7 @@ impl<B: Backend> LayerRunner<B> {
                     .reshape([count * len, heads * d])
             })
             .collect();
-        self.round(concat_rows(outs))
+        Ok(self.round(concat_rows(outs)))
     }
 
     /// RoPE tables covering every sequence of `lengths`, from the runner's cache (rebuilt
@@ -677,7 +688,7 @@ impl<B: Backend> LayerRunner<B> {
         tables.for_pack(lengths)
     }
 
-    /// Lightning q (scaled), k, v `[tokens, heads, d]` from the normed input `a`: projections,
+    /// Lightning q, k, v `[tokens, heads, d]` from the normed input `a`: projections,
     /// q/k RMSNorm per head, RoPE (positions restarting with each sequence of `lengths`).
     fn lightning_qkv(
         &self,
@@ -708,8 +719,7 @@ impl<B: Backend> LayerRunner<B> {
             &rope,
             self.options.numerics,
         );
-        let scale = 1.0 / (d as f64).sqrt();
-        Ok([to_f32(q).mul_scalar(scale), k, v])
+        Ok([q, k, v])
     }
 
     /// Llama mixer: RoPE on q and k, GQA causal attention, `o_proj`.

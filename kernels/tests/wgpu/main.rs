@@ -11,6 +11,7 @@ mod flash_attention;
 mod flip;
 mod gates;
 mod gemm;
+mod gla;
 mod gptq;
 mod hessian;
 mod hessian_ops;
