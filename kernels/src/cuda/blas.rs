@@ -305,6 +305,137 @@ pub fn xtx_bf16(
     })
 }
 
+/// Rows of `x` sharing one weight in [`xtx_runs_bf16`]: rows `first_row..first_row + rows`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct XtxRun {
+    /// First row of the run in `x`.
+    pub first_row: usize,
+    /// Rows in the run.
+    pub rows: usize,
+    /// Weight of the run's `XᵀX` (e.g. `1/T` of its samples' length).
+    pub weight: f32,
+}
+
+/// Columns (and rows) per block of [`xtx_runs_bf16`]: blocks of 2048 keep every GEMM large
+/// enough for cuBLAS's best kernels (`2048 × 2048 × tokens`).
+pub const XTX_BLOCK: usize = 2048;
+
+/// `h ← h + Σ_r weight_r · X_rᵀX_r` over the `runs` of rows of the bf16 activations `x`
+/// `[tokens, dim]`, into the f32 window `h` `[dim, dim]`, using the symmetry: only the blocks
+/// (of [`XTX_BLOCK`]) on and below the block diagonal are multiplied (`cublasGemmEx`, bf16
+/// inputs, f32 compute, as [`xtx_bf16`]), then each block below is copied, transposed, above
+/// (`cublasSgeam`). For `n` blocks that is `(n + 1) / 2n` of the full product's work, and the
+/// result is exactly symmetric. All products run in one library call (one host sync).
+pub fn xtx_runs_bf16(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    x: &Bf16Matrix,
+    runs: &[XtxRun],
+    h: &MatrixView,
+) -> Result<(), KernelError> {
+    h.check("xtx h")?;
+    let (tokens, dim) = (x.rows, x.cols);
+    if h.rows != dim || h.cols != dim {
+        return Err(KernelError::shape(
+            "xtx",
+            format!("x is {tokens}×{dim}, h is {}×{}", h.rows, h.cols),
+        ));
+    }
+    let bytes = x.handle.size_in_used() as usize;
+    if bytes < tokens * dim * 2 {
+        return Err(KernelError::shape(
+            "xtx x",
+            format!("{bytes} bytes for a {tokens}×{dim} bf16 matrix"),
+        ));
+    }
+    if let Some(r) = runs.iter().find(|r| r.first_row + r.rows > tokens) {
+        return Err(KernelError::shape(
+            "xtx runs",
+            format!(
+                "rows {}..{} of a {tokens}-row matrix",
+                r.first_row,
+                r.first_row + r.rows
+            ),
+        ));
+    }
+    if dim == 0 || runs.iter().all(|r| r.rows == 0) {
+        return Ok(());
+    }
+    let blocks: Vec<(usize, usize)> = (0..dim)
+        .step_by(XTX_BLOCK)
+        .map(|b| (b, XTX_BLOCK.min(dim - b)))
+        .collect();
+    let x_ptr = handle_ptr(client, &x.handle)?;
+    let h_ptr = device_ptr(client, h)?;
+    let stride = ld(h)?;
+    let lda = dim_i32("xtx dim", dim)?;
+    let at = |row: usize, col: usize| h_ptr + ((row * h.row_stride + col) * 4) as u64;
+    let mut products = Vec::new();
+    for run in runs.iter().filter(|r| r.rows > 0) {
+        let first = x_ptr + (run.first_row * dim * 2) as u64;
+        for (i, &(i0, ni)) in blocks.iter().enumerate() {
+            for &(j0, nj) in &blocks[..=i] {
+                // Column-major, Y = Xᵀ (dim × rows): C = Y_j·Y_iᵀ is the row-major block at
+                // (rows i, columns j) of XᵀX.
+                products.push(GemmExCall {
+                    op1: cublasOperation_t::CUBLAS_OP_N,
+                    op2: cublasOperation_t::CUBLAS_OP_T,
+                    m: dim_i32("xtx block", nj)?,
+                    n: dim_i32("xtx block", ni)?,
+                    k: dim_i32("xtx tokens", run.rows)?,
+                    x1: (first + (j0 * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
+                    x2: (first + (i0 * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
+                    c: (at(i0, j0), stride, cudaDataType::CUDA_R_32F),
+                    alpha: run.weight,
+                    beta: 1.0,
+                    compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                });
+            }
+        }
+    }
+    // Block (j, i) above the diagonal is the transpose of block (i, j) below it.
+    let mut mirrors = Vec::new();
+    for (i, &(i0, ni)) in blocks.iter().enumerate() {
+        for &(j0, nj) in &blocks[..i] {
+            mirrors.push((
+                at(i0, j0),
+                at(j0, i0),
+                dim_i32("xtx block", ni)?,
+                dim_i32("xtx block", nj)?,
+            ));
+        }
+    }
+    blas.run(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)", |handle| {
+        for call in &products {
+            call.launch(handle)?;
+        }
+        let (one, zero) = (1.0f32, 0.0f32);
+        for &(below, above, m, n) in &mirrors {
+            // SAFETY: both blocks lie inside the checked window `h` and do not overlap; the
+            // destination doubles as the unread `B` (β = 0, in place: transb N, ldb = ldc).
+            let status = unsafe {
+                sys::cublasSgeam(
+                    handle,
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    &one,
+                    below as *const f32,
+                    stride,
+                    &zero,
+                    above as *const f32,
+                    stride,
+                    above as *mut f32,
+                    stride,
+                )
+            };
+            status.result().map_err(blas_error("cublasSgeam"))?;
+        }
+        Ok(())
+    })
+}
+
 /// The shape of a linear layer's product `y = x·wᵀ`: `x` `[tokens, in_features]`, `w`
 /// `[out_features, in_features]`, `y` `[tokens, out_features]`, all dense row-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,9 @@
 //!
 //! - [`CublasGemm`]: the [`Gemm`](crate::Gemm) trait on cuBLAS (FP32 SGEMM through
 //!   `cublasGemmEx`, pedantic FP32 by default, TF32 on request);
-//! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian);
+//! - [`xtx_bf16`]: `H ← α·XᵀX + β·H` for bf16 activations with f32 accumulation (the Hessian),
+//!   and [`xtx_runs_bf16`], its sum over runs of rows with their own weights, computed on the
+//!   blocks below the diagonal only;
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
 //!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
 //! - [`DriverTransfer`]: host ↔ device copies through the driver (CubeCL's pinned staging is
@@ -32,7 +34,10 @@ pub use attention::{
     attention_blocking, blocked_causal_attention_bf16, AttentionBlocking, MAX_BLOCK, MIN_BLOCK,
     SCORE_BUDGET_BYTES,
 };
-pub use blas::{linear_bf16, xtx_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape};
+pub use blas::{
+    linear_bf16, xtx_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape,
+    XtxRun, XTX_BLOCK,
+};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
 pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,

@@ -53,3 +53,89 @@ fn accumulate_xtx_checks_shapes() {
     let err = accumulate_xtx(&client, &CubeGemm, &x, 1.0, &h).unwrap_err();
     assert!(matches!(err, KernelError::Shape { .. }), "{err}");
 }
+
+/// On CUDA only (`--features cuda`, an NVIDIA GPU): the blocked, symmetric cuBLAS Hessian
+/// over weighted runs of rows against the f64 sum. CI never builds these.
+#[cfg(feature = "cuda")]
+mod cuda_runs {
+    use half::bf16;
+    use sala_kernels::cuda::{xtx_runs_bf16, Bf16Matrix, Cublas, XtxRun, XTX_BLOCK};
+    use sala_kernels::{DeviceVec, MatrixView};
+
+    use crate::common::{client, Rng};
+
+    #[test]
+    fn weighted_runs_match_the_f64_sum_and_are_exactly_symmetric() {
+        let Some(client) = client() else {
+            return;
+        };
+        let blas = Cublas::new(0).unwrap();
+        let mut rng = Rng::new(71);
+        // Three blocks, the last one ragged; runs of different weights, one empty, rows left
+        // out between them.
+        let (tokens, dim) = (300, 2 * XTX_BLOCK + 100);
+        let x: Vec<f32> = (0..tokens * dim)
+            .map(|_| bf16::from_f32(rng.normal()).to_f32())
+            .collect();
+        let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let xm = Bf16Matrix::upload(&client, &bits, tokens, dim).unwrap();
+        let runs = [
+            XtxRun {
+                first_row: 0,
+                rows: 100,
+                weight: 0.01,
+            },
+            XtxRun {
+                first_row: 100,
+                rows: 0,
+                weight: 5.0,
+            },
+            XtxRun {
+                first_row: 120,
+                rows: 180,
+                weight: 1.0 / 180.0,
+            },
+        ];
+        // h starts symmetric and non-zero: the products accumulate into it.
+        let h0: Vec<f32> = (0..dim * dim)
+            .map(|e| {
+                let (r, c) = (e / dim, e % dim);
+                ((r.min(c) * 7 + r.max(c) * 3) % 11) as f32 - 5.0
+            })
+            .collect();
+        let h = DeviceVec::upload(&client, &h0);
+        let view = MatrixView {
+            handle: h.handle.clone(),
+            offset: 0,
+            rows: dim,
+            cols: dim,
+            row_stride: dim,
+        };
+        xtx_runs_bf16(&client, &blas, &xm, &runs, &view).unwrap();
+        let got: Vec<f32> = h.download(&client).unwrap();
+        // Column-major copy: the reference reads columns of x as contiguous rows.
+        let xt: Vec<f64> = (0..dim * tokens)
+            .map(|e| x[(e % tokens) * dim + e / tokens] as f64)
+            .collect();
+        let mut worst = 0f64;
+        for r in 0..dim {
+            for c in 0..=r {
+                let want: f64 = h0[r * dim + c] as f64
+                    + runs
+                        .iter()
+                        .map(|run| {
+                            run.weight as f64
+                                * (run.first_row..run.first_row + run.rows)
+                                    .map(|t| xt[r * tokens + t] * xt[c * tokens + t])
+                                    .sum::<f64>()
+                        })
+                        .sum::<f64>();
+                let (lower, upper) = (got[r * dim + c], got[c * dim + r]);
+                assert_eq!(lower.to_bits(), upper.to_bits(), "({r}, {c}) not symmetric");
+                worst = worst.max((lower as f64 - want).abs());
+            }
+        }
+        // Entries are O(1)–O(10); f32 sums of a few hundred products are good to ~1e-5.
+        assert!(worst < 1e-4, "worst error {worst:e}");
+    }
+}
