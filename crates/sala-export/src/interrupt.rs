@@ -9,7 +9,10 @@
 //! renamed into place: it waits for the commit and then finds nothing left to remove.
 //!
 //! SIGKILL cannot be caught: what it leaves is removed (or restored) by the next run on the same
-//! output, see [`crate::StagedDir::create`].
+//! output, see [`crate::StagedDir::create`] (or continued by a resuming run).
+//!
+//! A resumable run's staging directory that already holds a completed layer
+//! ([`crate::StagedDir::set_resumable`]) is kept on interrupt, so that the run can be resumed.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -26,6 +29,9 @@ pub(crate) struct Pending {
     pub(crate) aside: Option<PathBuf>,
     /// The output's lock file (removed on interrupt).
     pub(crate) lock: Option<PathBuf>,
+    /// Kept on interrupt: a resumable run's staging directory that holds at least one
+    /// completed layer (see [`crate::StagedDir::set_resumable`]).
+    pub(crate) keep: bool,
 }
 
 pub(crate) struct Registry {
@@ -53,6 +59,7 @@ impl Registry {
             target: target.to_path_buf(),
             aside: None,
             lock: lock.map(Path::to_path_buf),
+            keep: false,
         });
         self.next
     }
@@ -64,17 +71,31 @@ impl Registry {
         }
     }
 
+    /// Marks a staging directory as one to keep on interrupt (or not).
+    pub(crate) fn set_keep(&mut self, id: u64, keep: bool) {
+        if let Some(p) = self.pending.iter_mut().find(|p| p.id == id) {
+            p.keep = keep;
+        }
+    }
+
     /// Forgets a staging directory (committed or removed).
     pub(crate) fn remove(&mut self, id: u64) {
         self.pending.retain(|p| p.id != id);
     }
 
-    /// Removes every registered staging directory, puts back outputs moved aside, removes the
-    /// lock files; returns one line per action.
+    /// Removes every registered staging directory (but keeps those marked to keep: a
+    /// resumable run's), puts back outputs moved aside, removes the lock files; returns one
+    /// line per action.
     fn clean_all(&mut self) -> Vec<String> {
         let mut done = Vec::new();
         for p in self.pending.drain(..) {
-            if remove_tree(&p.staging) {
+            if p.keep {
+                done.push(format!(
+                    "kept the staging directory {}: it holds completed layers; run the same \
+                     command again with --resume to continue",
+                    p.staging.display()
+                ));
+            } else if remove_tree(&p.staging) {
                 done.push(format!(
                     "removed the staging directory {}",
                     p.staging.display()

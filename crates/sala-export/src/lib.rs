@@ -41,12 +41,18 @@ pub use error::ExportError;
 pub use interrupt::remove_staging_on_interrupt;
 pub use reader::{Checkpoint, CheckpointFormat, DenseTensor};
 pub use safetensors::Dtype;
-pub use shards::{ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE};
-pub use staging::{check_output, is_checkpoint_dir, recover_output, StagedDir, REPORT_FILE};
+pub use shards::{
+    FlushedShard, ShardIndex, ShardLayout, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE,
+};
+pub use staging::{
+    check_output, find_resumable, is_checkpoint_dir, recover_output, recover_output_with,
+    StagedDir, StaleStaging, REPORT_FILE, RESUME_DIR, RESUME_MANIFEST,
+};
 pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
 pub use verify::{
     marlin_supports, verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,
 };
 pub use writer::{
-    CheckpointWriter, LinearFormat, StagedCheckpoint, WriterOptions, WrittenCheckpoint, SIDE_FILES,
+    CheckpointWriter, LinearFormat, StagedCheckpoint, WriterOptions, WriterState,
+    WrittenCheckpoint, SIDE_FILES,
 };

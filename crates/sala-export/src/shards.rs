@@ -55,6 +55,21 @@ pub struct ShardLayout {
 struct WrittenShard {
     provisional: PathBuf,
     tensors: Vec<String>,
+    bytes: u64,
+}
+
+/// A shard a [`crate::CheckpointWriter`] has written (and synced) so far, under its
+/// provisional name: part of a resumable run's state ([`crate::WriterState`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlushedShard {
+    /// File name inside the staging directory.
+    pub file: String,
+    /// Its tensors, in the order they were added.
+    pub tensors: Vec<String>,
+    /// Bytes of tensor data in it.
+    pub bytes: u64,
+    /// Size of the file, bytes (checked when resuming).
+    pub file_size: u64,
 }
 
 /// Accumulates tensors and writes a shard whenever the next tensor would overflow the limit.
@@ -79,6 +94,76 @@ impl ShardWriter {
             names: HashSet::new(),
             total_bytes: 0,
         }
+    }
+
+    /// A writer that has already written `flushed` (files in `dir`, each checked to exist with
+    /// its recorded size); tensors pushed next continue the sequence.
+    pub(crate) fn restore(
+        dir: &Path,
+        max_bytes: u64,
+        flushed: &[FlushedShard],
+    ) -> Result<Self, ExportError> {
+        let mut writer = Self::new(dir, max_bytes);
+        for shard in flushed {
+            let path = dir.join(&shard.file);
+            let size = fs::metadata(&path).map_err(ExportError::io(&path))?.len();
+            if size != shard.file_size || Path::new(&shard.file).file_name().is_none() {
+                return Err(ExportError::Io {
+                    path,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "a staged shard of {size} bytes where the resume manifest recorded {}",
+                            shard.file_size
+                        ),
+                    ),
+                });
+            }
+            for name in &shard.tensors {
+                if !writer.names.insert(name.clone()) {
+                    return Err(ExportError::DuplicateTensor {
+                        tensor: name.clone(),
+                    });
+                }
+            }
+            writer.total_bytes += shard.bytes;
+            writer.written.push(WrittenShard {
+                provisional: path,
+                tensors: shard.tensors.clone(),
+                bytes: shard.bytes,
+            });
+        }
+        Ok(writer)
+    }
+
+    /// The shards written so far.
+    pub(crate) fn flushed(&self) -> Result<Vec<FlushedShard>, ExportError> {
+        self.written
+            .iter()
+            .map(|shard| {
+                let file_size = fs::metadata(&shard.provisional)
+                    .map_err(ExportError::io(&shard.provisional))?
+                    .len();
+                Ok(FlushedShard {
+                    file: shard
+                        .provisional
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    tensors: shard.tensors.clone(),
+                    bytes: shard.bytes,
+                    file_size,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether `file` (a name in the directory) is a provisional shard name of this writer's
+    /// scheme (`shard-NNNNN.partial`).
+    pub(crate) fn is_provisional_name(file: &str) -> bool {
+        file.strip_prefix("shard-")
+            .and_then(|rest| rest.strip_suffix(".partial"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
     }
 
     pub(crate) fn contains(&self, name: &str) -> bool {
@@ -106,7 +191,7 @@ impl ShardWriter {
             .dir
             .join(format!("shard-{:05}.partial", self.written.len() + 1));
         let pending = std::mem::take(&mut self.pending);
-        self.pending_bytes = 0;
+        let bytes = std::mem::take(&mut self.pending_bytes);
         // `format: pt` is what transformers checks before it accepts a safetensors file.
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         safetensors::serialize_to_file(
@@ -118,18 +203,29 @@ impl ShardWriter {
             path: provisional.clone(),
             message: e.to_string(),
         })?;
+        // On disk before anything (a resume manifest, the commit) counts on it.
+        fs::File::open(&provisional)
+            .and_then(|f| f.sync_all())
+            .map_err(ExportError::io(&provisional))?;
         self.written.push(WrittenShard {
             provisional,
             tensors: pending.into_iter().map(|(name, _)| name).collect(),
+            bytes,
         });
+        Ok(())
+    }
+
+    /// Writes the last shard (nothing if every tensor is written, unless no shard is).
+    pub(crate) fn flush_last(&mut self) -> Result<(), ExportError> {
+        if !self.pending.is_empty() || self.written.is_empty() {
+            self.flush()?;
+        }
         Ok(())
     }
 
     /// Writes the last shard, gives every shard its final name and writes the index.
     pub(crate) fn finish(mut self) -> Result<ShardLayout, ExportError> {
-        if !self.pending.is_empty() || self.written.is_empty() {
-            self.flush()?;
-        }
+        self.flush_last()?;
         let count = self.written.len();
         let mut index = ShardIndex {
             metadata: IndexMetadata {

@@ -13,6 +13,14 @@
 //!   `.<name>.replaced-<pid>-<n>` and removed only once the new one is in place; if the second
 //!   rename fails it is renamed back, and if the process dies in between, the next run puts it
 //!   back.
+//! - **Resume**: a staging directory that holds [`RESUME_DIR`]`/`[`RESUME_MANIFEST`] is the
+//!   state of a resumable run. Without resumption it is removed like any other (the message
+//!   says `--resume` exists); a resuming run finds it ([`find_resumable`]) and adopts it
+//!   ([`StagedDir::create_adopting`]: renamed to a name of its own process under the lock). A
+//!   staging directory marked with [`StagedDir::set_resumable`] is kept when the run stops
+//!   (error, drop, SIGINT / SIGTERM / SIGHUP); the lock is released all the same.
+//! - **Durability**: before the commit every staged file and the staging directory are synced
+//!   to disk, and the parent directory after the rename.
 //! - **Overwrite** replaces only a checkpoint ([`is_checkpoint_dir`]) or an empty directory:
 //!   never a file, a symbolic link, a directory of other files, the working directory or a
 //!   directory holding an input of the run.
@@ -29,6 +37,23 @@ use crate::ExportError;
 /// before the commit); also what marks a directory as one this tool wrote.
 pub const REPORT_FILE: &str = "quantization_report.json";
 
+/// The directory inside a staging directory that holds a resumable run's state.
+pub const RESUME_DIR: &str = "resume";
+
+/// The manifest of a resumable run's state, inside [`RESUME_DIR`]: its presence makes a
+/// staging directory resumable. Written atomically (temporary file, sync, rename).
+pub const RESUME_MANIFEST: &str = "manifest.json";
+
+/// What [`recover_output_with`] does with the staging directory of a dead run that holds a
+/// resume manifest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StaleStaging {
+    /// Remove it like any other (the message says that `--resume` would have continued it).
+    Remove,
+    /// Keep it, for a resuming run to adopt.
+    KeepResumable,
+}
+
 /// A staging directory that becomes `target` on [`StagedDir::commit`] and is removed otherwise.
 #[derive(Debug)]
 pub struct StagedDir {
@@ -42,6 +67,10 @@ pub struct StagedDir {
     /// when nothing is committed.
     created: Vec<PathBuf>,
     recovered: Vec<String>,
+    /// Kept (not removed) when dropped or interrupted: see [`StagedDir::set_resumable`].
+    keep: bool,
+    /// The staging directory of a dead run this one adopted, by its old name.
+    adopted: Option<PathBuf>,
 }
 
 impl StagedDir {
@@ -55,6 +84,19 @@ impl StagedDir {
         target: &Path,
         overwrite: bool,
         source: Option<&Path>,
+    ) -> Result<Self, ExportError> {
+        Self::create_adopting(target, overwrite, source, None)
+    }
+
+    /// [`create`](Self::create), but with `adopt` (a staging directory of a dead run on the
+    /// same output, as [`find_resumable`] returns it) taken over instead of a new, empty staging
+    /// directory: under the lock it is renamed to a name of this process, its contents kept.
+    /// Fails if it is gone or its process is alive (another run took it over).
+    pub fn create_adopting(
+        target: &Path,
+        overwrite: bool,
+        source: Option<&Path>,
+        adopt: Option<&Path>,
     ) -> Result<Self, ExportError> {
         let (parent, name) = split_target(target)?;
         // Checked before anything is created, so a refused target leaves no directory behind.
@@ -71,22 +113,54 @@ impl StagedDir {
             id: 0,
             created,
             recovered: Vec::new(),
+            keep: false,
+            adopted: None,
         };
         // From here on, an error drops `staged`, which removes what was created.
         let parent = fs::canonicalize(&parent).map_err(ExportError::io(&parent))?;
         staged.target = parent.join(&name);
         staged.lock = OutputLock::acquire(&parent, &name, &staged.target)?;
-        staged.recovered = recover_stale(&parent, &name, &staged.target);
+        let adopt = adopt.map(|a| parent.join(a.file_name().unwrap_or(a.as_os_str())));
+        staged.recovered = recover_stale(
+            &parent,
+            &name,
+            &staged.target,
+            StaleStaging::Remove,
+            adopt.as_deref(),
+        );
         check_existing(&staged.target, overwrite, &[])?;
-        let staging = tempfile::Builder::new()
-            .prefix(&format!(
-                ".{}.partial-{}-",
-                name.to_string_lossy(),
-                std::process::id()
-            ))
-            .tempdir_in(&parent)
-            .map_err(ExportError::io(&parent))?
-            .keep();
+        let staging = match &adopt {
+            Some(old) => {
+                let owned_by_dead = old
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_prefix(&format!(".{}.partial-", name.to_string_lossy())))
+                    .and_then(owner)
+                    .is_some_and(|pid| !process_alive(pid));
+                if !owned_by_dead || !old.join(RESUME_DIR).join(RESUME_MANIFEST).is_file() {
+                    return Err(ExportError::Io {
+                        path: old.clone(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            "the staging directory to resume is gone or in use by another run",
+                        ),
+                    });
+                }
+                let new = unique_sibling(&staged.target, "partial");
+                fs::rename(old, &new).map_err(ExportError::io(old))?;
+                staged.adopted = Some(old.clone());
+                new
+            }
+            None => tempfile::Builder::new()
+                .prefix(&format!(
+                    ".{}.partial-{}-",
+                    name.to_string_lossy(),
+                    std::process::id()
+                ))
+                .tempdir_in(&parent)
+                .map_err(ExportError::io(&parent))?
+                .keep(),
+        };
         let lock = staged.lock.as_ref().map(|l| l.path.as_path());
         staged.id = registry().add(&staging, &staged.target, lock);
         staged.staging = Some(staging);
@@ -107,6 +181,21 @@ impl StagedDir {
     /// output that an interrupted commit had moved aside put back. One line each.
     pub fn recovered(&self) -> &[String] {
         &self.recovered
+    }
+
+    /// The staging directory of a dead run this one adopted ([`create_adopting`](
+    /// Self::create_adopting)), by its old name.
+    pub fn adopted(&self) -> Option<&Path> {
+        self.adopted.as_deref()
+    }
+
+    /// Marks the staging directory as a resumable run's (`true`: it holds at least one
+    /// completed layer): it is then kept, not removed, when this value is dropped without a
+    /// commit (an error) and on SIGINT / SIGTERM / SIGHUP. `false` (before the resume state
+    /// is removed) restores the default: removed.
+    pub fn set_resumable(&mut self, keep: bool) {
+        self.keep = keep;
+        registry().set_keep(self.id, keep);
     }
 
     /// Renames the staging directory into place; with `overwrite`, the old target is moved
@@ -134,6 +223,9 @@ impl StagedDir {
         reg: &mut crate::interrupt::Registry,
     ) -> Result<Option<PathBuf>, ExportError> {
         let staging = self.path().to_path_buf();
+        // Every file on disk before the rename makes them visible: a crash after the commit
+        // never leaves an output with a truncated file.
+        sync_tree(&staging)?;
         let exists = fs::symlink_metadata(&self.target).is_ok();
         let aside = if exists {
             check_existing(&self.target, self.overwrite, &[])?;
@@ -155,6 +247,10 @@ impl StagedDir {
                 source,
             });
         }
+        if let Some(parent) = self.target.parent() {
+            // The rename itself on disk; best effort (the output is in place either way).
+            let _ = sync_dir(parent);
+        }
         Ok(aside)
     }
 }
@@ -164,13 +260,48 @@ impl Drop for StagedDir {
         if let Some(staging) = self.staging.take() {
             let mut reg = registry();
             reg.remove(self.id);
-            remove_tree(&staging);
+            if !self.keep {
+                remove_tree(&staging);
+            }
         }
         // Releases the lock and removes its file, before the parents it sits in.
         self.lock = None;
         for dir in &self.created {
             let _ = fs::remove_dir(dir);
         }
+    }
+}
+
+/// Syncs every file below `dir` and every directory (`dir` included) to disk; the error names
+/// the file.
+pub(crate) fn sync_tree(dir: &Path) -> Result<(), ExportError> {
+    for entry in fs::read_dir(dir).map_err(ExportError::io(dir))? {
+        let entry = entry.map_err(ExportError::io(dir))?;
+        let path = entry.path();
+        let kind = entry.file_type().map_err(ExportError::io(&path))?;
+        if kind.is_dir() {
+            sync_tree(&path)?;
+        } else if kind.is_file() {
+            fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(ExportError::io(&path))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Syncs a directory's entries (names created, renamed or removed in it) to disk.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), ExportError> {
+    #[cfg(unix)]
+    {
+        fs::File::open(dir)
+            .and_then(|f| f.sync_all())
+            .map_err(ExportError::io(dir))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
     }
 }
 
@@ -227,13 +358,55 @@ pub fn check_output(
 /// does not exist. (Also done by [`StagedDir::create`]; call it first to have the old output
 /// back before anything else looks at `target`.)
 pub fn recover_output(target: &Path) -> Result<Vec<String>, ExportError> {
+    recover_output_with(target, StaleStaging::Remove)
+}
+
+/// [`recover_output`], with the staging directories of dead runs that hold a resume manifest
+/// removed or kept as `resumable` says.
+pub fn recover_output_with(
+    target: &Path,
+    resumable: StaleStaging,
+) -> Result<Vec<String>, ExportError> {
     let (parent, name) = split_target(target)?;
     let Ok(parent) = fs::canonicalize(&parent) else {
         return Ok(Vec::new());
     };
     let resolved = parent.join(&name);
     let _lock = OutputLock::acquire(&parent, &name, &resolved)?;
-    Ok(recover_stale(&parent, &name, &resolved))
+    Ok(recover_stale(&parent, &name, &resolved, resumable, None))
+}
+
+/// The staging directory of a dead run on `target` that holds a resume manifest, if any (the
+/// most recently updated one when there are several); `None` if there is none or `target`'s
+/// parent does not exist. Changes nothing.
+pub fn find_resumable(target: &Path) -> Result<Option<PathBuf>, ExportError> {
+    let (parent, name) = split_target(target)?;
+    let Ok(parent) = fs::canonicalize(&parent) else {
+        return Ok(None);
+    };
+    let Some(name) = name.to_str() else {
+        return Ok(None);
+    };
+    let partial = format!(".{name}.partial-");
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
+    for entry in fs::read_dir(&parent)
+        .map_err(ExportError::io(&parent))?
+        .flatten()
+    {
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&partial)) else {
+            continue;
+        };
+        if !owner(rest).is_some_and(|pid| !process_alive(pid)) {
+            continue;
+        }
+        let manifest = entry.path().join(RESUME_DIR).join(RESUME_MANIFEST);
+        if let Ok(modified) = fs::metadata(&manifest).and_then(|m| m.modified()) {
+            found.push((modified, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found.pop().map(|(_, path)| path))
 }
 
 fn check_existing(target: &Path, overwrite: bool, protected: &[&Path]) -> Result<(), ExportError> {
@@ -325,8 +498,16 @@ pub(crate) fn settle_aside(aside: &Path, target: &Path) -> String {
 }
 
 /// Removes (or restores) what dead runs on the same output left: `.<name>.partial-<pid>-*`
-/// staging directories and `.<name>.replaced-<pid>-*` old outputs whose process is gone.
-fn recover_stale(parent: &Path, name: &std::ffi::OsStr, target: &Path) -> Vec<String> {
+/// staging directories and `.<name>.replaced-<pid>-*` old outputs whose process is gone. A
+/// staging directory with a resume manifest is kept under [`StaleStaging::KeepResumable`];
+/// `adopt` is always kept.
+fn recover_stale(
+    parent: &Path,
+    name: &std::ffi::OsStr,
+    target: &Path,
+    resumable: StaleStaging,
+    adopt: Option<&Path>,
+) -> Vec<String> {
     let mut done = Vec::new();
     let Some(name) = name.to_str() else {
         return done;
@@ -357,11 +538,27 @@ fn recover_stale(parent: &Path, name: &std::ffi::OsStr, target: &Path) -> Vec<St
     found.sort();
     for (path, is_partial) in found {
         if is_partial {
+            if adopt == Some(path.as_path()) {
+                continue;
+            }
+            let manifest = path.join(RESUME_DIR).join(RESUME_MANIFEST);
+            let is_resumable = manifest.is_file();
+            if is_resumable && resumable == StaleStaging::KeepResumable {
+                continue;
+            }
             remove_tree(&path);
-            done.push(format!(
-                "removed {}, the staging directory of a run that did not finish",
-                path.display()
-            ));
+            done.push(if is_resumable {
+                format!(
+                    "removed {}, the staging directory of a run that did not finish (it held \
+                     completed layers: --resume would have continued it)",
+                    path.display()
+                )
+            } else {
+                format!(
+                    "removed {}, the staging directory of a run that did not finish",
+                    path.display()
+                )
+            });
         } else {
             done.push(settle_aside(&path, target));
         }

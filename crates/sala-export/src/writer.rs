@@ -15,7 +15,7 @@ use crate::config::{
     write_json, QuantizationConfig, CONFIG_FILE, HF_QUANT_CONFIG_FILE, QUANTIZE_CONFIG_FILE,
 };
 use crate::layout::{gptq_tensors, nvfp4_tensors};
-use crate::shards::{ShardWriter, DEFAULT_MAX_SHARD_BYTES};
+use crate::shards::{FlushedShard, ShardWriter, DEFAULT_MAX_SHARD_BYTES};
 use crate::staging::StagedDir;
 use crate::tensor::Tensor;
 use crate::ExportError;
@@ -61,7 +61,7 @@ impl Default for WriterOptions {
 }
 
 /// The quantized layout of the linears written so far.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LinearFormat {
     /// AutoGPTQ `qweight` / `qzeros` / `scales` / `g_idx`.
     Gptq,
@@ -97,6 +97,32 @@ pub struct CheckpointWriter {
     side_files: Vec<(String, PathBuf)>,
     format: Option<LinearFormat>,
     quantized_linears: usize,
+    /// With [`record`](Self::record): the tensors added since the last
+    /// [`take_recorded`](Self::take_recorded), in order.
+    journal: Option<Vec<(String, Tensor)>>,
+}
+
+/// Where a [`CheckpointWriter`] stands, for a resumable run: the shards it has written (and
+/// synced) and the linears' format and count. Together with the tensors added after the last
+/// shard (which the caller keeps, see [`CheckpointWriter::take_recorded`]) it is enough to
+/// continue exactly where it stood ([`CheckpointWriter::resume`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct WriterState {
+    /// Shards written, in order.
+    pub shards: Vec<FlushedShard>,
+    /// The quantized layout, once a quantized linear was added.
+    pub format: Option<LinearFormat>,
+    /// Quantized linears added.
+    pub quantized_linears: usize,
+}
+
+impl WriterState {
+    /// Every tensor in the written shards.
+    pub fn flushed_tensors(&self) -> impl Iterator<Item = &str> {
+        self.shards
+            .iter()
+            .flat_map(|s| s.tensors.iter().map(String::as_str))
+    }
 }
 
 impl CheckpointWriter {
@@ -124,9 +150,110 @@ impl CheckpointWriter {
             side_files,
             format: None,
             quantized_linears: 0,
+            journal: None,
         })
     }
 
+    /// Continues a checkpoint whose staging directory `adopt` a dead run left (see
+    /// [`crate::find_resumable`]): takes it over under the lock
+    /// ([`StagedDir::create_adopting`]), checks the shards `state` lists (present, of their
+    /// recorded size), removes what the dead run wrote after `state` (later shards, files
+    /// outside [`crate::RESUME_DIR`]), then adds `pending` (the tensors added after the last
+    /// written shard, in their order) as [`add_tensor`](Self::add_tensor) would have.
+    pub fn resume(
+        target: impl AsRef<Path>,
+        options: WriterOptions,
+        adopt: &Path,
+        state: &WriterState,
+        pending: Vec<(String, Tensor)>,
+    ) -> Result<Self, ExportError> {
+        let side_files = match &options.source_model {
+            Some(source) => side_files(source)?,
+            None => Vec::new(),
+        };
+        let staged = StagedDir::create_adopting(
+            target.as_ref(),
+            options.overwrite,
+            options.source_model.as_deref(),
+            Some(adopt),
+        )?;
+        let dir = staged.path().to_path_buf();
+        let listed: std::collections::HashSet<&str> =
+            state.shards.iter().map(|s| s.file.as_str()).collect();
+        for entry in fs::read_dir(&dir).map_err(ExportError::io(&dir))? {
+            let entry = entry.map_err(ExportError::io(&dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == crate::RESUME_DIR || listed.contains(name.as_str()) {
+                continue;
+            }
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                fs::remove_dir_all(&path).map_err(ExportError::io(&path))?;
+            } else {
+                fs::remove_file(&path).map_err(ExportError::io(&path))?;
+            }
+        }
+        if let Some(shard) = state
+            .shards
+            .iter()
+            .find(|s| !ShardWriter::is_provisional_name(&s.file))
+        {
+            return Err(ExportError::Io {
+                path: dir.join(&shard.file),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "not a staged shard name in the resume manifest",
+                ),
+            });
+        }
+        let shards = ShardWriter::restore(&dir, options.max_shard_bytes, &state.shards)?;
+        let mut writer = Self {
+            staged,
+            shards,
+            side_files,
+            format: state.format,
+            quantized_linears: state.quantized_linears,
+            journal: None,
+        };
+        for (name, tensor) in pending {
+            writer.shards.push(&name, tensor)?;
+        }
+        Ok(writer)
+    }
+
+    /// Starts (or stops) recording every tensor added, for
+    /// [`take_recorded`](Self::take_recorded): a resumable run keeps each layer's tensors.
+    pub fn record(&mut self, on: bool) {
+        self.journal = on.then(Vec::new);
+    }
+
+    /// The tensors added since recording started or since the last call, in order (empty
+    /// when not recording).
+    pub fn take_recorded(&mut self) -> Vec<(String, Tensor)> {
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Where the writer stands: shards written so far, format, quantized linears.
+    pub fn state(&self) -> Result<WriterState, ExportError> {
+        Ok(WriterState {
+            shards: self.shards.flushed()?,
+            format: self.format,
+            quantized_linears: self.quantized_linears,
+        })
+    }
+
+    /// The staging directory's resume marking (see [`StagedDir::set_resumable`]).
+    pub fn set_resumable(&mut self, keep: bool) {
+        self.staged.set_resumable(keep);
+    }
+
+    /// The staging directory of a dead run this writer adopted, by its old name.
+    pub fn adopted(&self) -> Option<&Path> {
+        self.staged.adopted()
+    }
     /// The staging directory (files appear here until `finish`).
     pub fn staging_dir(&self) -> &Path {
         self.staged.path()
@@ -142,6 +269,15 @@ impl CheckpointWriter {
         bytes: &[u8],
     ) -> Result<(), ExportError> {
         let tensor = Tensor::from_bytes(name, dtype, shape, bytes.to_vec())?;
+        self.push(name, tensor)
+    }
+
+    fn push(&mut self, name: &str, tensor: Tensor) -> Result<(), ExportError> {
+        if let Some(journal) = &mut self.journal {
+            if !self.shards.contains(name) {
+                journal.push((name.to_string(), tensor.clone()));
+            }
+        }
         self.shards.push(name, tensor)
     }
 
@@ -154,7 +290,7 @@ impl CheckpointWriter {
         values: &[f32],
     ) -> Result<(), ExportError> {
         let tensor = Tensor::from_f32(name, dtype, shape, values)?;
-        self.shards.push(name, tensor)
+        self.push(name, tensor)
     }
 
     /// Adds a GPTQ linear as `module.{qweight,qzeros,scales,g_idx}` (scales cast to fp16).
@@ -204,7 +340,7 @@ impl CheckpointWriter {
             });
         }
         for (name, tensor) in tensors {
-            self.shards.push(&name, tensor)?;
+            self.push(&name, tensor)?;
         }
         self.quantized_linears += 1;
         Ok(())
@@ -225,13 +361,20 @@ impl CheckpointWriter {
     /// `hf_quant_config.json` (NVFP4), the source model's tokenizer files. Nothing is renamed
     /// yet: the result can be verified and given more files before the commit, and dropping it
     /// removes everything.
+    ///
+    /// A staging directory marked resumable ([`set_resumable`](Self::set_resumable)) stays
+    /// so until the last shard is written and is unmarked before the shards are renamed (a
+    /// resume manifest names them by their provisional names): from then on it is removed
+    /// when dropped or interrupted.
     pub fn finish_staged(
-        self,
+        mut self,
         model_config: Value,
         quantization: &QuantizationConfig,
     ) -> Result<StagedCheckpoint, ExportError> {
         let dir = self.staged.path().to_path_buf();
         self.check_config_matches(quantization)?;
+        self.shards.flush_last()?;
+        self.staged.set_resumable(false);
         let layout = self.shards.finish()?;
         write_configs(&dir, model_config, quantization)?;
         let copied_files = copy_side_files(&self.side_files, &dir)?;
@@ -414,7 +557,11 @@ fn copy_side_files(files: &[(String, PathBuf)], dir: &Path) -> Result<Vec<String
         if dir.join(name).exists() {
             continue;
         }
-        fs::copy(path, dir.join(name)).map_err(ExportError::io(path))?;
+        let to = dir.join(name);
+        fs::copy(path, &to).map_err(|e| ExportError::Io {
+            path: to.clone(),
+            source: std::io::Error::new(e.kind(), format!("copying {} here: {e}", path.display())),
+        })?;
         copied.push(name.clone());
     }
     Ok(copied)
