@@ -184,22 +184,71 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         scratch: &Path,
         progress: &mut dyn Progress,
     ) -> Result<HiddenStates<B>, PipelineError> {
+        let mut hidden = self.allocate_hidden(scratch)?;
+        for (i, sample) in self.samples.iter().enumerate() {
+            hidden.store(i, source.embed(self.runner, &sample.ids)?);
+        }
+        self.tell_hidden(&hidden, progress);
+        Ok(hidden)
+    }
+
+    /// Storage for every sample's hidden states (zeros), where [`embed`](Self::embed) puts
+    /// them.
+    pub(crate) fn allocate_hidden(&self, scratch: &Path) -> Result<HiddenStates<B>, PipelineError> {
         let lengths: Vec<usize> = self.samples.iter().map(|s| s.ids.len()).collect();
         let budget = HiddenBudget {
             device: self.options.max_device_memory,
             host: self.options.max_host_memory,
         };
-        let mut hidden = HiddenStates::new(
+        HiddenStates::new(
             &lengths,
             self.config().hidden_size(),
             self.runner.device(),
             self.runner.storage_dtype(),
             budget,
             scratch,
-        )?;
-        for (i, sample) in self.samples.iter().enumerate() {
-            hidden.store(i, source.embed(self.runner, &sample.ids)?);
+        )
+    }
+
+    /// What a resumable run saves of the engine after a layer: the samples still in use, the
+    /// failed ones, the peak device memory.
+    pub(crate) fn saved_state(&self) -> (Vec<usize>, Vec<String>, Option<DeviceMemory>) {
+        (self.active.clone(), self.failed.clone(), self.peak_device)
+    }
+
+    /// Linear reports so far (in solve order).
+    pub(crate) fn linear_count(&self) -> usize {
+        self.linears.len()
+    }
+
+    /// The linear reports from `from` on.
+    pub(crate) fn linears_from(&self, from: usize) -> &[LinearReport] {
+        &self.linears[from.min(self.linears.len())..]
+    }
+
+    /// Puts the engine back where a resumable run saved it ([`saved_state`](Self::saved_state)
+    /// and the linear reports of the completed layers).
+    pub(crate) fn restore(
+        &mut self,
+        active: Vec<usize>,
+        failed: Vec<String>,
+        peak_device: Option<DeviceMemory>,
+        linears: Vec<LinearReport>,
+    ) -> Result<(), PipelineError> {
+        if active.is_empty() || active.iter().any(|&i| i >= self.samples.len()) {
+            return Err(PipelineError::NoSamples(
+                "the resume manifest names samples this run does not have".into(),
+            ));
         }
+        self.active = active;
+        self.failed = failed;
+        self.peak_device = peak_device;
+        self.linears = linears;
+        Ok(())
+    }
+
+    /// Tells `progress` where the hidden states live.
+    pub(crate) fn tell_hidden(&self, hidden: &HiddenStates<B>, progress: &mut dyn Progress) {
         progress.message(&format!(
             "hidden states: {:.1} MB {}; statistics on the {}; solver {}",
             hidden.bytes() as f64 / 1e6,
@@ -211,7 +260,6 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             },
             self.solver.name()
         ));
-        Ok(hidden)
     }
 
     /// Quantizes decoder layer `layer` of `source`: capture and accumulate, smooth, solve, hand

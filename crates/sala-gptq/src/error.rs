@@ -184,6 +184,15 @@ pub enum PipelineError {
         /// The tensors.
         names: Vec<String>,
     },
+    /// A resumable run's staged state that cannot be resumed: made with other inputs or
+    /// options (the message names every difference), or damaged.
+    #[error("cannot resume from {dir}: {message}")]
+    Resume {
+        /// The staging directory (or its resume directory).
+        dir: std::path::PathBuf,
+        /// What differs or is wrong.
+        message: String,
+    },
     /// Something the pipeline does not do yet.
     #[error("not supported: {0}")]
     Unsupported(String),

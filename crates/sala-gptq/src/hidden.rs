@@ -255,6 +255,103 @@ impl<B: Backend> HiddenStates<B> {
     }
 }
 
+/// Magic of a hidden-state file ([`HiddenStates::save`]).
+const SAVE_MAGIC: &[u8; 8] = b"SALAHID1";
+
+impl<B: Backend> HiddenStates<B> {
+    /// Bytes per value in a saved file: bf16 for host storage and bf16 device tensors (exact),
+    /// f32 otherwise (exact for every storage dtype).
+    fn saved_width(&self) -> usize {
+        match self.storage {
+            Storage::Device(_) if self.dtype != DType::BF16 => 4,
+            _ => 2,
+        }
+    }
+
+    /// Writes every sample's values to `path` (created or truncated) and syncs the file: a
+    /// small header, then the values in sample order, little-endian, exactly as stored.
+    pub(crate) fn save(&self, path: &Path) -> Result<(), PipelineError> {
+        use std::io::Write;
+        let io = |e: std::io::Error| PipelineError::Io {
+            path: path.to_path_buf(),
+            message: format!("writing the hidden states: {e}"),
+        };
+        let width = self.saved_width();
+        let values = *self.offsets.last().unwrap_or(&0) as u64;
+        let file = std::fs::File::create(path).map_err(io)?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        out.write_all(SAVE_MAGIC).map_err(io)?;
+        out.write_all(&(width as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(&values.to_le_bytes()).map_err(io)?;
+        match &self.storage {
+            Storage::Disk(map) => out.write_all(&map[..]).map_err(io)?,
+            Storage::Memory(v) => {
+                for chunk in v.chunks(1 << 16) {
+                    let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    out.write_all(&bytes).map_err(io)?;
+                }
+            }
+            Storage::Device(_) => {
+                for i in 0..self.offsets.len() - 1 {
+                    let v = self.get(i);
+                    let bytes: Vec<u8> = if width == 2 {
+                        v.iter()
+                            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                            .collect()
+                    } else {
+                        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+                    };
+                    out.write_all(&bytes).map_err(io)?;
+                }
+            }
+        }
+        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)
+    }
+
+    /// Reads back what [`save`](Self::save) wrote for states of the same shape.
+    pub(crate) fn restore(&mut self, path: &Path) -> Result<(), PipelineError> {
+        use std::io::Read;
+        let bad = |message: String| PipelineError::Io {
+            path: path.to_path_buf(),
+            message,
+        };
+        let io = |e: std::io::Error| bad(format!("reading the hidden states: {e}"));
+        let width = self.saved_width();
+        let values = *self.offsets.last().unwrap_or(&0) as u64;
+        let file = std::fs::File::open(path).map_err(io)?;
+        let mut input = std::io::BufReader::with_capacity(1 << 20, file);
+        let mut header = [0u8; 24];
+        input.read_exact(&mut header).map_err(io)?;
+        let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap_or([0; 8]));
+        if &header[..8] != SAVE_MAGIC || word(8) != width as u64 || word(16) != values {
+            return Err(bad(format!(
+                "not the hidden states of this run ({values} values of {width} bytes expected)"
+            )));
+        }
+        let mut buf = Vec::new();
+        for i in 0..self.offsets.len() - 1 {
+            let n = self.offsets[i + 1] - self.offsets[i];
+            buf.resize(n * width, 0);
+            input.read_exact(&mut buf).map_err(io)?;
+            let v: Vec<f32> = if width == 2 {
+                buf.chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect()
+            } else {
+                buf.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect()
+            };
+            self.set(i, &v);
+        }
+        if input.read(&mut [0u8; 1]).map_err(io)? != 0 {
+            return Err(bad("longer than the hidden states of this run".into()));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,6 +404,43 @@ mod tests {
                 .map(|k| bf16::from_f32((k as f32 + 0.3) * (i as f32 + 1.7)).to_f32())
                 .collect();
             assert_eq!(mem.get(i), expected);
+        }
+    }
+
+    #[test]
+    fn saved_states_come_back_exactly_in_every_storage() {
+        let dir = tempfile::tempdir().unwrap();
+        let lengths = [3, 1, 2];
+        let budgets = [
+            HiddenBudget::default(),
+            HiddenBudget {
+                device: None,
+                host: Some(8),
+            },
+            HiddenBudget {
+                device: Some(1 << 20),
+                host: None,
+            },
+        ];
+        for (b, budget) in budgets.into_iter().enumerate() {
+            let mut a = states(&lengths, budget, dir.path());
+            for (i, &n) in lengths.iter().enumerate() {
+                let values: Vec<f32> = (0..n * 4)
+                    .map(|k| (k as f32 - 2.7) / (i as f32 + 0.3))
+                    .collect();
+                a.set(i, &values);
+            }
+            let path = dir.path().join(format!("h{b}"));
+            a.save(&path).unwrap();
+            let mut back = states(&lengths, budget, dir.path());
+            back.restore(&path).unwrap();
+            for i in 0..lengths.len() {
+                assert_eq!(a.get(i), back.get(i), "{:?}", a.location());
+            }
+            // Another shape is refused, naming the file.
+            let mut other = states(&[3, 1, 3], budget, dir.path());
+            let err = other.restore(&path).unwrap_err().to_string();
+            assert!(err.contains(&format!("h{b}")), "{err}");
         }
     }
 

@@ -21,6 +21,8 @@
 //! - [`smoothing`]: SmoothQuant groups from the model's wiring, folded exactly;
 //! - [`evaluate`]: running an exported checkpoint (either format) for comparisons;
 //! - [`report`]: what happened, per linear and per layer ([`Report`]);
+//! - resumable runs ([`QuantizeOptions::resume`]): each completed layer's state in the staging
+//!   directory, a manifest with the run's fingerprint, and the continuation of a stopped run;
 //! - [`progress`]: callbacks for progress bars.
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
@@ -38,6 +40,7 @@ pub mod plan;
 pub mod progress;
 pub mod report;
 pub mod resident;
+mod resume;
 pub mod smoothing;
 mod stats;
 pub mod synthetic;
@@ -55,6 +58,7 @@ pub use plan::{
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{LayerReport, LinearReport, Report, StageSeconds, StageTotals};
 pub use resident::ResidentSolver;
+pub use resume::file_hash;
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};
 pub use synthetic::{Projection, SyntheticModel, SyntheticReport, SyntheticRun};

@@ -98,6 +98,20 @@ pub struct QuantizeOptions {
     pub overwrite: bool,
     /// Maximum bytes per safetensors shard.
     pub max_shard_bytes: u64,
+    /// Resumable run: keep in the staging directory what every completed layer produced (its
+    /// tensors, its report entries, the next layer's hidden states) with a manifest and a
+    /// fingerprint of everything that determines the result, and continue a run on the same
+    /// output that stopped after layer k at layer k+1 (its staging directory found and adopted
+    /// when the fingerprint matches; a mismatch is an error naming what differs, before any
+    /// compute; nothing to resume starts a fresh run). The staging directory is then kept
+    /// when the run stops on an error or is interrupted (SIGINT / SIGTERM / SIGHUP) once it
+    /// holds a completed layer. The result is byte for byte the one of an uninterrupted run.
+    /// Costs a write (and sync) of the hidden states after every layer. Default off.
+    pub resume: bool,
+    /// Extra named entries of the resume fingerprint, compared with the staged run's by name
+    /// (a binary adds its flags, e.g. `("--damp", "0.01")`, and the calibration file's hash, so
+    /// that a mismatch names them as the user spells them).
+    pub resume_identity: Vec<(String, String)>,
 }
 
 impl QuantizeOptions {
@@ -121,6 +135,8 @@ impl QuantizeOptions {
             compare_rtn: true,
             overwrite: false,
             max_shard_bytes: sala_export::DEFAULT_MAX_SHARD_BYTES,
+            resume: false,
+            resume_identity: Vec::new(),
         }
     }
 }

@@ -12,6 +12,7 @@ use crate::plan::{QuantPlan, Recipe, Treatment};
 use crate::progress::Progress;
 use crate::report::{peak_rss_bytes, Report};
 use crate::resident::ResidentSolver;
+use crate::resume;
 use burn::tensor::backend::Backend;
 use sala_export::{
     CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, StagedCheckpoint, WriterOptions,
@@ -155,17 +156,69 @@ impl<B: Backend> Pipeline<B> {
                 "--quantize-lm-head: calibrating lm_head is not implemented yet".into(),
             ));
         }
-        let mut writer = CheckpointWriter::create(
-            output,
-            WriterOptions {
-                max_shard_bytes: self.options.max_shard_bytes,
-                overwrite: self.options.overwrite,
-                source_model: Some(input.to_path_buf()),
+        // A resumable run: the fingerprint, and a staged run to continue if there is one,
+        // checked before anything is created or computed.
+        let fingerprint = match self.options.resume {
+            true => Some(resume::fingerprint(
+                input,
+                &self.options,
+                samples,
+                self.solver.name(),
+            )?),
+            false => None,
+        };
+        let resumed = match &fingerprint {
+            None => None,
+            Some(now) => match sala_export::find_resumable(output)? {
+                Some(dir) => {
+                    let manifest = resume::Manifest::read_matching(&dir, now)?;
+                    Some(resume::Resumed { dir, manifest })
+                }
+                None => {
+                    progress.message(&format!(
+                        "--resume: no staged run to resume for {}; starting a fresh run",
+                        output.display()
+                    ));
+                    None
+                }
             },
-        )?;
+        };
+        let writer_options = WriterOptions {
+            max_shard_bytes: self.options.max_shard_bytes,
+            overwrite: self.options.overwrite,
+            source_model: Some(input.to_path_buf()),
+        };
+        let mut writer = match &resumed {
+            Some(r) => {
+                let pending = r
+                    .manifest
+                    .pending_tensors(&r.dir.join(sala_export::RESUME_DIR))?;
+                CheckpointWriter::resume(
+                    output,
+                    writer_options,
+                    &r.dir,
+                    r.manifest.writer(),
+                    pending,
+                )?
+            }
+            None => CheckpointWriter::create(output, writer_options)?,
+        };
         for line in writer.recovered() {
             progress.message(line);
         }
+        let mut log = match fingerprint {
+            Some(fingerprint) => {
+                let previous = resumed.map(|r| r.manifest);
+                if previous.is_some() {
+                    // It holds completed layers: kept if this run stops too.
+                    writer.set_resumable(true);
+                }
+                let log = resume::ResumeLog::open(writer.staging_dir(), fingerprint, previous)?;
+                writer.record(true);
+                Some(log)
+            }
+            None => None,
+        };
         let runner = with_fast(
             LayerRunner::<B>::new(config.clone(), self.device.clone(), self.options.run),
             self.fast.clone(),
@@ -180,22 +233,64 @@ impl<B: Backend> Pipeline<B> {
                 .with_resident_solver(self.resident.clone());
         let scratch = writer.staging_dir().to_path_buf();
         progress.start(config.num_layers(), samples.len());
-        let mut hidden = engine.embed(&source, &scratch, progress)?;
         let mut layers = Vec::new();
-        for layer in 0..config.num_layers() {
+        let mut first = 0;
+        let resumed = log.as_ref().filter(|l| l.manifest().completed() > 0);
+        let mut hidden = match resumed {
+            Some(log) => {
+                let manifest = log.manifest();
+                let (active, failed, peak) = manifest.engine();
+                let (saved_layers, linears) = manifest.reports();
+                engine.restore(active, failed, peak, linears)?;
+                let mut hidden = engine.allocate_hidden(&scratch)?;
+                hidden.restore(&log.dir().join(manifest.hidden_file()))?;
+                engine.tell_hidden(&hidden, progress);
+                first = manifest.completed();
+                layers = saved_layers;
+                progress.message(&format!(
+                    "--resume: continuing the staged run {} at layer {first}: layers 0 to {} \
+                     are complete",
+                    writer.adopted().unwrap_or(&scratch).display(),
+                    first - 1
+                ));
+                hidden
+            }
+            _ => engine.embed(&source, &scratch, progress)?,
+        };
+        for layer in first..config.num_layers() {
             progress.layer(layer);
+            let linears_before = engine.linear_count();
             let mut sink = CheckpointSink {
                 writer: &mut writer,
                 store: &store,
             };
             let report = engine.layer(layer, &source, &mut hidden, &mut sink, progress)?;
+            if let Some(log) = &mut log {
+                log.layer_done(
+                    &mut writer,
+                    &hidden,
+                    &report,
+                    engine.linears_from(linears_before),
+                    engine.saved_state(),
+                )?;
+            }
             progress.layer_done(&report);
+            if log.is_some() {
+                progress.layer_saved(layer);
+            }
             layers.push(report);
         }
+        writer.record(false);
         write_globals(&store, &config, &mut writer)?;
         let model_config = sala_export::config::read_json(&input.join("config.json"))?;
         let quantization = quantization_config(&plan, &self.options);
+        // A resumable run stays resumable until the last shard is on disk (a full disk here
+        // can be resumed after every layer); then the staging directory is unmarked and the
+        // resume state removed.
         let checkpoint = writer.finish_staged(model_config, &quantization)?;
+        if let Some(log) = log {
+            log.finish()?;
+        }
         let verdict = checkpoint.verify()?;
         if !verdict.is_ok() {
             // Dropping the staged checkpoint removes it; the output was never touched.

@@ -23,6 +23,10 @@ pub trait Progress {
     fn step(&mut self) {}
     /// A layer is done, with its timings and memory.
     fn layer_done(&mut self, _report: &crate::LayerReport) {}
+    /// With [`QuantizeOptions::resume`](crate::QuantizeOptions::resume): layer `layer`'s
+    /// resume state is on disk (synced, and recorded in the manifest), so a run killed from now
+    /// on continues after it. Called after [`layer_done`](Self::layer_done).
+    fn layer_saved(&mut self, _layer: usize) {}
     /// A message worth showing (a warning, a skipped sample, where the hidden states live).
     fn message(&mut self, _text: &str) {}
     /// The run is over.

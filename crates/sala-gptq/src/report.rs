@@ -39,7 +39,7 @@ pub struct LinearReport {
 ///
 /// The one list of the stages: a layer's timing ([`LayerReport::stages`]) and a run's sums
 /// over layers ([`StageTotals`]) are both this.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct StageSeconds {
     /// Loading the layer's weights and the forward passes with taps (statistics excluded).
     pub capture: f64,
