@@ -150,6 +150,16 @@ pub struct Args {
     /// quantized checkpoint (or an empty directory) is replaced, anything else is refused.
     #[arg(long)]
     overwrite: bool,
+    /// Resumable run: keep each completed layer's state (tensors, report entries, the next
+    /// layer's hidden states; synced) in the staging directory next to the output, and
+    /// continue where a run with the same arguments stopped (killed, interrupted, failed).
+    /// Refused, naming what differs, if the model files, the calibration data or an option
+    /// changed; with nothing to resume it starts a fresh run. A run started with --resume
+    /// keeps its staging directory on an error, SIGINT, SIGTERM or SIGHUP once it holds a
+    /// completed layer (otherwise it is removed as without --resume); a run without --resume
+    /// removes a stopped run's staging directory. Costs a write of the hidden states per layer.
+    #[arg(long)]
+    resume: bool,
     /// Print the plan and exit.
     #[arg(long)]
     plan_only: bool,
@@ -195,9 +205,17 @@ where
     T: Into<OsString> + Clone,
 {
     crate::allocator::reuse_freed_memory();
-    // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends.
+    // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends (a
+    // resumable run's with a completed layer is kept).
     if let Err(e) = sala_export::remove_staging_on_interrupt() {
         return fail(&format!("cannot install the interrupt handler: {e}"));
+    }
+    // A write beyond the file-size limit (`ulimit -f`) fails with EFBIG, an error that names
+    // the file, instead of killing the process with SIGXFSZ and leaving the staging directory.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to "ignore" involves no handler code.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
     let args = match Args::try_parse_from(argv) {
         Ok(args) => args,
@@ -261,18 +279,29 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .join("target/quantized")
             .join(format!("{model}-{}", recipe_name(recipe)))
     });
-    let options = QuantizeOptions {
-        // The default output under target/ is re-created on every run.
-        overwrite: args.overwrite || default_output,
-        ..options
-    };
     let calib_path = args
         .calib_data
         .clone()
         .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
-    // What dead runs on this output left: their staging directories go, an old output that a
-    // killed commit had moved aside comes back. Fails now if another run is writing it.
-    for line in sala_export::recover_output(&output)? {
+    let resume_identity = match args.resume {
+        true => resume_identity(&args, &calib_path)?,
+        false => Vec::new(),
+    };
+    let options = QuantizeOptions {
+        // The default output under target/ is re-created on every run.
+        overwrite: args.overwrite || default_output,
+        resume: args.resume,
+        resume_identity,
+        ..options
+    };
+    // What dead runs on this output left: their staging directories go (with --resume, those
+    // holding completed layers stay, for the pipeline to check and continue), an old output
+    // that a killed commit had moved aside comes back. Fails now if another run is writing it.
+    let stale = match args.resume {
+        true => sala_export::StaleStaging::KeepResumable,
+        false => sala_export::StaleStaging::Remove,
+    };
+    for line in sala_export::recover_output_with(&output, stale)? {
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "{line}");
     }
@@ -356,6 +385,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         output: &output,
         samples: &samples,
         quiet: args.quiet,
+        kill_after_layer: kill_after_layer()?,
     };
     // The checkpoint is verified, and its report written, inside the staging directory; the
     // commit (a rename) comes last, so a failure anywhere leaves the output as it was.
@@ -386,6 +416,79 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 /// The most worker threads `--threads` starts.
 const MAX_THREADS: usize = 1024;
 
+/// Test hook (for the resume tests, not for users): with `--resume` and this variable set to
+/// `k`, the process kills itself with SIGKILL right after layer `k`'s resume state is on disk,
+/// as a crash or `kill -9` would, so that nothing is cleaned up.
+pub const KILL_AFTER_LAYER_ENV: &str = "SALA_QUANTIZE_KILL_AFTER_LAYER";
+
+/// The layer of [`KILL_AFTER_LAYER_ENV`], if set.
+fn kill_after_layer() -> Result<Option<usize>, String> {
+    match std::env::var(KILL_AFTER_LAYER_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("{KILL_AFTER_LAYER_ENV}={v:?}: expected a layer index")),
+    }
+}
+
+/// The resume fingerprint's entries from the command line: every flag that changes the
+/// numbers or the layout, as the user spells it, and the calibration file's hash (the
+/// pipeline adds the model files, the samples' token ids and the library options).
+fn resume_identity(
+    args: &Args,
+    calib_path: &Path,
+) -> Result<Vec<(String, String)>, Box<dyn std::error::Error>> {
+    let hash = sala_gptq::file_hash(calib_path, None)
+        .map_err(|e| format!("{}: {e}", calib_path.display()))?;
+    let a = args;
+    let flags: [(&str, String); 33] = [
+        ("--recipe", format!("{:?}", a.recipe)),
+        ("--bits", a.bits.to_string()),
+        ("--group-size", a.group_size.to_string()),
+        ("--minicpm4-bits", format!("{:?}", a.minicpm4_bits)),
+        ("--lightning-bits", format!("{:?}", a.lightning_bits)),
+        ("--layer-bits", format!("{:?}", a.layer_bits)),
+        ("--exclude", format!("{:?}", a.exclude)),
+        ("--quantize-lm-head", a.quantize_lm_head.to_string()),
+        ("--nvfp4-coverage", format!("{:?}", a.nvfp4_coverage)),
+        ("--max-samples", format!("{:?}", a.max_samples)),
+        ("--max-len", format!("{:?}", a.max_len)),
+        ("--skip-malformed", a.skip_malformed.to_string()),
+        ("--smooth-alpha", a.smooth_alpha.to_string()),
+        ("--no-smooth", a.no_smooth.to_string()),
+        ("--damp", a.damp.to_string()),
+        ("--no-sym", a.no_sym.to_string()),
+        ("--grid", format!("{:?}", a.grid)),
+        ("--act-order", a.act_order.to_string()),
+        ("--static-groups", a.static_groups.to_string()),
+        ("--rtn-fallback", a.rtn_fallback.to_string()),
+        ("--rtn", a.rtn.to_string()),
+        ("--mse-iters", a.mse_iters.to_string()),
+        ("--mse-max-shrink", a.mse_max_shrink.to_string()),
+        ("--mse-error-norm", a.mse_error_norm.to_string()),
+        ("--dense-len", a.dense_len.to_string()),
+        ("--f32", a.f32.to_string()),
+        ("--device", format!("{:?}", a.device)),
+        ("--max-device-memory", a.max_device_memory.to_string()),
+        ("--host-statistics", a.host_statistics.to_string()),
+        ("--host-solver", a.host_solver.to_string()),
+        ("--pack-tokens", a.pack_tokens.to_string()),
+        ("--skip-failed-samples", a.skip_failed_samples.to_string()),
+        ("--threads", format!("{:?}", a.threads)),
+    ];
+    let mut identity: Vec<(String, String)> = flags
+        .into_iter()
+        .map(|(flag, value)| (flag.to_owned(), value))
+        .collect();
+    identity.push((
+        "calibration file (--calib-data)".into(),
+        format!("{}: sha256 {hash}", calib_path.display()),
+    ));
+    Ok(identity)
+}
+
 /// Writes `text` and a newline to standard output and flushes it; the error names standard
 /// output (a closed pipe or a full disk is an error here, not a panic).
 fn say(text: impl std::fmt::Display) -> Result<(), String> {
@@ -403,6 +506,8 @@ struct QuantizeJob<'a> {
     output: &'a Path,
     samples: &'a [Sample],
     quiet: bool,
+    /// [`KILL_AFTER_LAYER_ENV`].
+    kill_after_layer: Option<usize>,
 }
 
 impl DeviceJob for QuantizeJob<'_> {
@@ -427,6 +532,7 @@ impl DeviceJob for QuantizeJob<'_> {
             pipeline = pipeline.with_fast_ops(fast);
         }
         let mut progress = Bars::new(self.quiet);
+        progress.kill_after_layer = self.kill_after_layer;
         Ok(pipeline.run_staged(self.input, self.output, self.samples, &mut progress)?)
     }
 }
@@ -509,6 +615,8 @@ fn options_from(
 struct Bars {
     bars: Option<(MultiProgress, ProgressBar, ProgressBar)>,
     lines: bool,
+    /// [`KILL_AFTER_LAYER_ENV`].
+    kill_after_layer: Option<usize>,
 }
 
 impl Bars {
@@ -531,6 +639,7 @@ impl Bars {
         Self {
             bars,
             lines: !quiet && !interactive,
+            kill_after_layer: None,
         }
     }
 }
@@ -566,6 +675,21 @@ impl Progress for Bars {
     fn layer_done(&mut self, report: &LayerReport) {
         if self.bars.is_some() || self.lines {
             self.message(&report.to_string());
+        }
+    }
+    fn layer_saved(&mut self, layer: usize) {
+        if self.kill_after_layer == Some(layer) {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "{KILL_AFTER_LAYER_ENV}: killing the process after layer {layer}"
+            );
+            // SAFETY: sends SIGKILL to this process (the test hook's crash).
+            #[cfg(unix)]
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+            std::process::abort();
         }
     }
     fn message(&mut self, text: &str) {
