@@ -1537,6 +1537,342 @@ fn an_unknown_flag_is_a_usage_error() {
     assert_nothing_written(&env.out());
 }
 
+// ------------------------------------------------------------------------------------------
+// Class 7: resumable runs (--resume). A run killed right after layer k's state is on disk
+// (the SALA_QUANTIZE_KILL_AFTER_LAYER test hook: SIGKILL to itself, nothing cleaned up) and
+// resumed gives the same bytes in every file as an uninterrupted run; quantization_report.json
+// is compared without its wall-clock and memory fields (seconds per stage and linear, peaks).
+
+const KILL_AFTER: &str = "SALA_QUANTIZE_KILL_AFTER_LAYER";
+
+/// The report's JSON without what differs from run to run: wall-clock seconds (per stage, per
+/// linear, total) and memory peaks.
+fn report_without_timings(bytes: &[u8]) -> serde_json::Value {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for key in [
+                    "seconds",
+                    "capture",
+                    "accumulate",
+                    "finalize",
+                    "smooth",
+                    "solve",
+                    "propagate",
+                    "write",
+                    "peak_rss_bytes",
+                    "peak_device_memory",
+                ] {
+                    map.remove(key);
+                }
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+    strip(&mut v);
+    v
+}
+
+/// Every file of `resumed` has the bytes of the same file of `reference` (the report: but
+/// for its timings).
+fn assert_same_checkpoint(reference: &Path, resumed: &Path) {
+    let (a, b) = (Snapshot::of(reference), Snapshot::of(resumed));
+    let names = |s: &Snapshot| s.0.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&b));
+    for (name, bytes) in &a.0 {
+        if name == Path::new("quantization_report.json") {
+            assert_eq!(
+                report_without_timings(bytes),
+                report_without_timings(&b.0[name]),
+                "the reports differ"
+            );
+        } else {
+            assert!(*bytes == b.0[name], "{} differs", name.display());
+        }
+    }
+    assert!(a
+        .0
+        .keys()
+        .any(|n| n.to_string_lossy().ends_with(".safetensors")));
+}
+
+impl Env {
+    /// Runs the command with [`Env::args`] and `extra`, killed by the test hook after
+    /// `layer`; checks that it died of SIGKILL there and left a resumable staging directory.
+    fn quantize_killed_after(&self, layer: usize, extra: &[&str]) {
+        use std::os::unix::process::ExitStatusExt;
+        let mut cmd = command(&self.args(extra), self.root.path());
+        cmd.env(KILL_AFTER, layer.to_string());
+        let run = finish(cmd, self.root.path(), Duration::from_secs(240));
+        assert_eq!(run.status.signal(), Some(libc::SIGKILL), "{run:?}");
+        assert!(
+            run.stderr
+                .contains(&format!("killing the process after layer {layer}")),
+            "{run:?}"
+        );
+        assert!(!self.out().exists());
+        let staged = self.staged_runs();
+        assert_eq!(staged.len(), 1, "{staged:?}");
+    }
+
+    /// Staging directories next to the output that hold a resume manifest.
+    fn staged_runs(&self) -> Vec<PathBuf> {
+        self.hidden_entries()
+            .iter()
+            .filter(|n| n.contains(".partial-"))
+            .map(|n| self.path(n))
+            .filter(|p| p.join("resume/manifest.json").is_file())
+            .collect()
+    }
+}
+
+/// Kills a `--resume` run after layer 3 of 8, resumes it, and compares every file with an
+/// uninterrupted run's (without --resume) at the same output path.
+fn killed_and_resumed_is_byte_identical(recipe: &str) {
+    let env = Env::new();
+    let flags = [
+        "--recipe",
+        recipe,
+        "--max-samples",
+        "3",
+        "--max-len",
+        "40",
+        "--nvfp4-coverage",
+        "all",
+    ];
+    assert_ok(&env.quantize(&flags));
+    let reference = env.path("reference");
+    fs::rename(env.out(), &reference).unwrap();
+    let mut resumable = flags.to_vec();
+    resumable.push("--resume");
+    env.quantize_killed_after(3, &resumable);
+    // Not quiet: the layers run print a line each on standard error.
+    let mut args = env.args(&resumable);
+    args.retain(|a| a != "--quiet");
+    let run = env.run_args(&args);
+    assert_ok(&run);
+    assert!(
+        run.stderr.contains("continuing the staged run") && run.stderr.contains("at layer 4"),
+        "{run:?}"
+    );
+    assert!(
+        !run.stderr.contains("layer 3 (") && run.stderr.contains("layer 4 ("),
+        "layers 0 to 3 were computed again: {run:?}"
+    );
+    assert_same_checkpoint(&reference, &env.out());
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+fn gptq_killed_and_resumed_is_byte_identical() {
+    killed_and_resumed_is_byte_identical("gptq");
+}
+
+fn nvfp4_killed_and_resumed_is_byte_identical() {
+    killed_and_resumed_is_byte_identical("nvfp4");
+}
+
+/// A resume with another option is refused before any compute, naming the flag; the staged
+/// run is left as it was, and resumes with the original flags.
+fn resume_with_a_changed_option_is_refused() {
+    let env = Env::new();
+    env.quantize_killed_after(2, &["--resume"]);
+    let staged = env.staged_runs();
+    let before = Snapshot::of(&staged[0]);
+    let run = env.quantize(&["--resume", "--damp", "0.02"]);
+    assert_refused(&run, &["cannot resume", "--damp", "0.01", "0.02"]);
+    assert_eq!(env.staged_runs(), staged);
+    before.assert_intact(&staged[0]);
+    assert!(!env.out().exists());
+    let run = env.quantize(&["--resume"]);
+    assert_ok(&run);
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+/// A resume with another calibration file is refused, naming it.
+fn resume_with_a_changed_calibration_file_is_refused() {
+    let env = Env::new();
+    env.quantize_killed_after(2, &["--resume"]);
+    let staged = env.staged_runs();
+    let mut text = fs::read_to_string(env.calib()).unwrap();
+    text.push_str("{\"text\": \"one more record\"}\n");
+    fs::write(env.calib(), text).unwrap();
+    let run = env.quantize(&["--resume"]);
+    assert_refused(&run, &["cannot resume", "calibration file (--calib-data)"]);
+    assert_eq!(env.staged_runs(), staged);
+    assert!(!env.out().exists());
+}
+
+/// `--resume` with nothing staged starts a fresh run and says so.
+fn resume_with_nothing_staged_starts_fresh() {
+    let env = Env::new();
+    let run = env.quantize(&["--resume"]);
+    assert_ok(&run);
+    assert!(
+        run.stderr.contains("no staged run to resume") && run.stderr.contains("fresh run"),
+        "{run:?}"
+    );
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert!(!env.out().join("resume").exists());
+    assert_no_debris(&env.out());
+}
+
+/// Without --resume, a resumable staging directory is removed as before, and the message says
+/// that --resume exists.
+fn a_resumable_run_is_removed_without_resume() {
+    let env = Env::new();
+    env.quantize_killed_after(1, &["--resume"]);
+    let run = env.quantize(&[]);
+    assert_ok(&run);
+    assert!(
+        run.stderr.contains("--resume would have continued it"),
+        "{run:?}"
+    );
+    assert!(env.staged_runs().is_empty());
+    assert_no_debris(&env.out());
+}
+
+/// SIGINT during a --resume run that has completed a layer keeps its staging directory (the
+/// lock goes), and a --resume run continues it.
+fn sigint_keeps_a_resumable_run() {
+    use std::os::unix::process::ExitStatusExt;
+    let env = Env::new();
+    let (mut child, err_path) = env.start_long(&["--resume"]);
+    let started = Instant::now();
+    while env.staged_runs().is_empty() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status:?}) before its first layer was saved");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no layer saved"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The manifest is renamed into place just before the directory is marked to keep.
+    std::thread::sleep(Duration::from_millis(100));
+    signal(&child, libc::SIGINT);
+    let status = wait(&mut child, Duration::from_secs(60));
+    let stderr = fs::read_to_string(&err_path).unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{stderr}");
+    assert!(stderr.contains("kept the staging directory"), "{stderr}");
+    assert!(stderr.contains("--resume"), "{stderr}");
+    assert_eq!(env.staged_runs().len(), 1, "{:?}", env.hidden_entries());
+    assert!(
+        !env.hidden_entries().iter().any(|n| n.ends_with(".lock")),
+        "{:?}",
+        env.hidden_entries()
+    );
+    let (mut child, err_path) = env.start_long(&["--resume"]);
+    let status = wait(&mut child, Duration::from_secs(240));
+    let stderr = fs::read_to_string(&err_path).unwrap();
+    assert!(status.success(), "{status:?}: {stderr}");
+    assert!(stderr.contains("continuing the staged run"), "{stderr}");
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+// ------------------------------------------------------------------------------------------
+// Class 8: a full disk, simulated with a file-size limit (`ulimit -f`, 512-byte blocks in
+// sh): quantize_sala ignores SIGXFSZ, so the write that crosses the limit fails with EFBIG
+// ("File too large"), an error naming the file.
+
+impl Env {
+    /// Runs the command with [`Env::args`] and `extra` under `ulimit -f blocks`.
+    fn quantize_limited(&self, blocks: u64, extra: &[&str]) -> Run {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!("ulimit -f {blocks} && exec \"$0\" \"$@\""))
+            .arg(std::env::current_exe().expect("own executable"))
+            .args(self.args(extra))
+            .env(CHILD, "1")
+            .env_remove("RUST_BACKTRACE")
+            .current_dir(self.root.path())
+            .stdin(Stdio::null());
+        finish(cmd, self.root.path(), Duration::from_secs(240))
+    }
+}
+
+/// The run failed on a full disk: status 1, no panic, the error names `file` and the cause.
+fn assert_disk_full(run: &Run, file: &str) {
+    assert_refused(run, &[file, "File too large"]);
+}
+
+/// The hidden-state scratch file (--max-host-memory 0) cannot get its blocks.
+fn disk_full_at_the_hidden_state_file() {
+    let env = Env::new();
+    let calib = sala_quant::fixtures_dir().join("calib/calib.jsonl");
+    let calib = calib.to_str().unwrap();
+    let flags = [
+        "--calib-data",
+        calib,
+        "--max-samples",
+        "8",
+        "--max-len",
+        "256",
+        "--max-host-memory",
+        "0",
+    ];
+    let previous = env.previous_output();
+    let mut with_overwrite = flags.to_vec();
+    with_overwrite.push("--overwrite");
+    let run = env.quantize_limited(64, &with_overwrite);
+    assert_disk_full(&run, "hidden-state scratch file");
+    assert!(run.stderr.contains(".out.partial-"), "{run:?}");
+    previous.assert_intact(&env.out());
+    assert_no_debris(&env.out());
+}
+
+/// The shard (written once every layer is done) crosses the limit.
+fn disk_full_at_the_shard() {
+    let env = Env::new();
+    let run = env.quantize_limited(256, &[]);
+    assert_disk_full(&run, "shard-00001.partial");
+    assert_nothing_written(&env.out());
+}
+
+/// `--overwrite` of a previous checkpoint, and the disk fills while the new one is written:
+/// the old one is intact.
+fn disk_full_while_overwriting_keeps_the_old_checkpoint() {
+    let env = Env::new();
+    assert_ok(&env.quantize(&[]));
+    let previous = Snapshot::of(&env.out());
+    let run = env.quantize_limited(256, &["--overwrite", "--max-len", "12"]);
+    assert_disk_full(&run, "shard-00001.partial");
+    previous.assert_intact(&env.out());
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
+/// With --resume, a layer's resume state crosses the limit before any layer is complete:
+/// nothing to keep, nothing left.
+fn disk_full_at_the_resume_state() {
+    let env = Env::new();
+    let run = env.quantize_limited(16, &["--resume"]);
+    assert_disk_full(&run, "resume/layer-00000.safetensors");
+    assert_nothing_written(&env.out());
+}
+
+/// With --resume the disk fills at the shard, after every layer: the staging directory is
+/// kept (the lock is not), and a --resume run with room finishes it without running a layer.
+fn disk_full_at_the_shard_of_a_resumable_run() {
+    let env = Env::new();
+    let run = env.quantize_limited(1024, &["--resume"]);
+    assert_disk_full(&run, "shard-00001.partial");
+    assert!(!env.out().exists());
+    assert_eq!(env.staged_runs().len(), 1, "{:?}", env.hidden_entries());
+    assert!(!env.hidden_entries().iter().any(|n| n.ends_with(".lock")));
+    let run = env.quantize(&["--resume"]);
+    assert_ok(&run);
+    assert!(run.stderr.contains("at layer 8"), "{run:?}");
+    assert!(sala_export::verify(env.out()).unwrap().is_ok());
+    assert_no_debris(&env.out());
+}
+
 /// `(name, case)` pairs, named by the functions.
 macro_rules! cases {
     ($($case:ident),* $(,)?) => {
@@ -1634,4 +1970,16 @@ const CASES: &[Case] = cases![
     cuda_in_a_build_without_it,
     nvfp4_search_options_out_of_range,
     an_unknown_flag_is_a_usage_error,
+    gptq_killed_and_resumed_is_byte_identical,
+    nvfp4_killed_and_resumed_is_byte_identical,
+    resume_with_a_changed_option_is_refused,
+    resume_with_a_changed_calibration_file_is_refused,
+    resume_with_nothing_staged_starts_fresh,
+    a_resumable_run_is_removed_without_resume,
+    sigint_keeps_a_resumable_run,
+    disk_full_at_the_hidden_state_file,
+    disk_full_at_the_shard,
+    disk_full_while_overwriting_keeps_the_old_checkpoint,
+    disk_full_at_the_resume_state,
+    disk_full_at_the_shard_of_a_resumable_run,
 ];
