@@ -397,7 +397,7 @@ pub fn find_resumable(target: &Path) -> Result<Option<PathBuf>, ExportError> {
         let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&partial)) else {
             continue;
         };
-        if !owner(rest).is_some_and(|pid| !process_alive(pid)) {
+        if owner(rest).is_none_or(process_alive) {
             continue;
         }
         let manifest = entry.path().join(RESUME_DIR).join(RESUME_MANIFEST);
