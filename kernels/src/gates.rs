@@ -5,7 +5,9 @@
 //! - [`swiglu`]: `out = S(S(g · S(σ(g))) · u)` — SiLU of the gate times the up projection;
 //! - [`sigmoid_gate`]: `out = S(x · S(σ(g)))` — an output gated by the sigmoid of a projection;
 //! - [`rms_norm`]: `out = S(S(x / √(mean(x²) + ε)) · w)` per row;
-//! - [`scaled_residual`]: `out = S(h + S(m · scale))` — a residual add of a scaled branch.
+//! - [`scaled_residual`]: `out = S(h + S(m · scale))` — a residual add of a scaled branch;
+//! - [`rms_norm_rope`]: the per-head RMSNorm of [`rms_norm`], then the rotary embedding
+//!   (NeoX rotate-half) `S(y·cos + rotate_half(y)·sin)` at each token's position.
 //!
 //! `σ(g)` is computed as `exp(−ln(1 + exp(−g)))`, the sequence of f32 operations of the Burn
 //! graph's sigmoid (a log-sigmoid then an exponential), so that the fused result matches it
@@ -210,6 +212,104 @@ pub fn scaled_residual<R: Runtime, S: Float + CubeElement>(
     flush(client, "scaled residual")
 }
 
+/// Rows (heads) per cube of [`rms_norm_rope`], and units per row.
+const ROPE_ROWS_PER_CUBE: usize = 8;
+const ROPE_UNITS_PER_ROW: usize = 32;
+
+/// The problem of [`rms_norm_rope`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormRopeShape {
+    /// Tokens of the pack.
+    pub tokens: usize,
+    /// Heads per token.
+    pub heads: usize,
+    /// Elements per head: a multiple of 64 up to 256 (each unit holds whole rotate-half pairs).
+    pub head_dim: usize,
+    /// Rows of the `cos` and `sin` tables (positions they cover).
+    pub positions: usize,
+    /// The RMSNorm's ε (finite, `≥ 0`).
+    pub eps: f32,
+}
+
+/// Per-head RMSNorm then rotary embedding, one kernel: for each token `t` and head `h` of `x`
+/// `[tokens, heads, head_dim]`, `y = S(S(x / √(mean(x²) + eps)) · w)` as [`rms_norm`] with `w`
+/// `[head_dim]`, then `out = S(y·cos[p] + rotate_half(y)·sin[p])` in f32 with
+/// `rotate_half(y) = [−y[d/2..], y[..d/2]]` and `p = positions[t]` (the token's position in
+/// its sequence) indexing the f32 tables `cos`, `sin` `[positions, head_dim]`. `x`, `w`, `out`
+/// are dense buffers of `S` (`out` must not alias `x`), `positions` of `u32`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_rope<R: Runtime, S: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: &NormRopeShape,
+    x: &Handle,
+    weight: &Handle,
+    cos: &Handle,
+    sin: &Handle,
+    positions: &Handle,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    let d = shape.head_dim;
+    if d == 0 || d % 64 != 0 || d > 256 {
+        return Err(KernelError::unsupported(
+            "rms norm rope head_dim",
+            format!("{d} (a multiple of 64 up to 256)"),
+        ));
+    }
+    if !shape.eps.is_finite() || shape.eps < 0.0 {
+        return Err(KernelError::unsupported(
+            "rms norm rope eps",
+            format!("{}", shape.eps),
+        ));
+    }
+    let rows = shape.tokens.checked_mul(shape.heads).ok_or_else(|| {
+        KernelError::unsupported("rms norm rope", "tokens × heads overflows".to_string())
+    })?;
+    let len = rows.checked_mul(d).ok_or_else(|| {
+        KernelError::unsupported(
+            "rms norm rope",
+            "tokens × heads × head_dim overflows".to_string(),
+        )
+    })?;
+    let table = shape.positions.checked_mul(d).ok_or_else(|| {
+        KernelError::unsupported(
+            "rms norm rope",
+            "positions × head_dim overflows".to_string(),
+        )
+    })?;
+    check_buffers::<S>("rms norm rope", len, [x, out, out])?;
+    check_buffers::<S>("rms norm rope weight", d, [weight, weight, weight])?;
+    check_buffers::<f32>("rms norm rope tables", table, [cos, sin, sin])?;
+    check_buffers::<u32>(
+        "rms norm rope positions",
+        shape.tokens,
+        [positions, positions, positions],
+    )?;
+    if len == 0 {
+        return Ok(());
+    }
+    if shape.positions == 0 {
+        return Err(KernelError::shape("rms norm rope tables", "no positions"));
+    }
+    let count = crate::launch::cube_count(client, rows.div_ceil(ROPE_ROWS_PER_CUBE))?;
+    rms_norm_rope_kernel::launch::<S, R>(
+        client,
+        count,
+        CubeDim::new_1d((ROPE_ROWS_PER_CUBE * ROPE_UNITS_PER_ROW) as u32),
+        typed::<R>(x, len),
+        typed::<R>(weight, d),
+        typed::<R>(cos, table),
+        typed::<R>(sin, table),
+        typed::<R>(positions, shape.tokens),
+        typed::<R>(out, len),
+        rows,
+        shape.heads,
+        shape.positions,
+        shape.eps,
+        d,
+    );
+    flush(client, "rms norm rope")
+}
+
 /// One cube of `units` units per row: the sum of squares strided over the units, a tree sum
 /// in shared memory, then each unit writes its columns.
 #[cube(launch)]
@@ -269,5 +369,73 @@ fn scaled_residual_kernel<S: Float>(
     if i < len {
         let branch = round::<S>(f32::cast_from(m[i]) * scale);
         out[i] = S::cast_from(f32::cast_from(h[i]) + branch);
+    }
+}
+
+/// 32 units per row (head), 8 rows per cube: unit `l` of a row holds elements `l + 32k`, so
+/// it owns whole rotate-half pairs (`e`, `e + d/2`); the sum of squares is a tree over the
+/// row's 32 units in shared memory. Positions past the tables are clamped to the last row
+/// (the caller's tables cover every position; the clamp only keeps reads in bounds).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_rope_kernel<S: Float>(
+    x: &Array<S>,
+    weight: &Array<S>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    positions: &Array<u32>,
+    out: &mut Array<S>,
+    rows: usize,
+    heads: usize,
+    table_rows: usize,
+    eps: f32,
+    #[comptime] d: usize,
+) {
+    let u = UNIT_POS as usize;
+    let lane = u % ROPE_UNITS_PER_ROW;
+    let local = u / ROPE_UNITS_PER_ROW;
+    let mut row = CUBE_POS * ROPE_ROWS_PER_CUBE + local;
+    let valid = row < rows;
+    if !valid {
+        row = rows - 1;
+    }
+    let base = row * d;
+    let mut acc = 0.0f32;
+    #[unroll]
+    for k in 0..comptime!(d / ROPE_UNITS_PER_ROW) {
+        let v = f32::cast_from(x[base + lane + k * ROPE_UNITS_PER_ROW]);
+        acc += v * v;
+    }
+    let mut partial = SharedMemory::<f32>::new(comptime!(ROPE_ROWS_PER_CUBE * ROPE_UNITS_PER_ROW));
+    partial[u] = acc;
+    sync_cube();
+    #[unroll]
+    for step in 0..5u32 {
+        let stride = comptime!(16usize >> step);
+        if lane < stride {
+            partial[u] += partial[u + stride];
+        }
+        sync_cube();
+    }
+    let rms = (partial[local * ROPE_UNITS_PER_ROW] / f32::cast_from(d) + eps).sqrt();
+    let mut p = positions[row / heads] as usize;
+    if p >= table_rows {
+        p = table_rows - 1;
+    }
+    let t = p * d;
+    if valid {
+        #[unroll]
+        for k in 0..comptime!(d / ROPE_UNITS_PER_ROW / 2) {
+            let e1 = lane + k * ROPE_UNITS_PER_ROW;
+            let e2 = e1 + comptime!(d / 2);
+            let y1 = round::<S>(
+                round::<S>(f32::cast_from(x[base + e1]) / rms) * f32::cast_from(weight[e1]),
+            );
+            let y2 = round::<S>(
+                round::<S>(f32::cast_from(x[base + e2]) / rms) * f32::cast_from(weight[e2]),
+            );
+            out[base + e1] = S::cast_from(y1 * cos[t + e1] + (-y2) * sin[t + e1]);
+            out[base + e2] = S::cast_from(y2 * cos[t + e2] + y1 * sin[t + e2]);
+        }
     }
 }

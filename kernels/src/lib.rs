@@ -6,8 +6,9 @@
 //! - [`device`]: f32 matrix windows in device memory ([`MatrixView`]) and flat vectors;
 //! - [`gemm`]: the [`Gemm`] trait (`C ← β·C + α·op(A)·op(B)`) and its portable
 //!   implementation [`CubeGemm`] (cubek-matmul);
-//! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]) with the
-//!   bf16 rounding points of the unfused chain;
+//! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]), norms
+//!   ([`gates::rms_norm`], the per-head [`gates::rms_norm_rope`]) and the scaled residual, with
+//!   the bf16 rounding points of the unfused chain;
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
 //! - [`hessian_ops`]: what GPTQ reads of a Hessian that stays on the device (diagonal,
 //!   finiteness, the damped permuted copy, the proxy error's row dots);

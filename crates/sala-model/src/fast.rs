@@ -76,6 +76,24 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// Per-head RMSNorm then RoPE: for `x` `[tokens, heads, d]` (storage dtype) the graph's
+    /// [`crate::ops::norm::rms_norm`] of every head with `weight` `[d]`, then
+    /// [`crate::ops::rope::apply_rope`] at positions restarting with each sequence of `lengths`,
+    /// read from the f32 tables `cos`, `sin` `[positions, d]`; rounded where the graph rounds.
+    /// `Ok(None)` as [`FastOps::swiglu`].
+    fn rms_norm_rope(
+        &self,
+        x: &Tensor<B, 3>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> Result<Option<Tensor<B, 3>>> {
+        let _ = (x, weight, eps, cos, sin, lengths);
+        Ok(None)
+    }
+
     /// Simple GLA (one constant decay per head) over sequences of `lengths` lying back to back
     /// (the state restarts with each): `o_t = scale · q_t S_t`, `S_t = γ_h S_{t−1} + k_tᵀ v_t`,
     /// `γ_h = e^{log_decays[h]}`, for `q`, `k`, `v` `[tokens, heads, d]` in the storage dtype
@@ -177,6 +195,7 @@ mod cube {
     use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use cubecl::cuda::CudaRuntime;
+    use cubecl::prelude::CubeElement;
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, LinearShape,
@@ -185,7 +204,9 @@ mod cube {
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
     };
-    use sala_kernels::gates::{rms_norm, scaled_residual, sigmoid_gate, swiglu};
+    use sala_kernels::gates::{
+        rms_norm, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu, NormRopeShape,
+    };
     use sala_kernels::gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GLA_HEAD_DIMS};
 
     /// Without the tensor-core flash kernel (a head dimension it is not compiled for),
@@ -453,6 +474,73 @@ mod cube {
                 x.device.clone(),
                 [tokens, out_features].into(),
                 y,
+                DType::BF16,
+            );
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
+        fn rms_norm_rope(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            weight: &Tensor<CubeBackend<R, F, I, BT>, 1>,
+            eps: f64,
+            cos: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            sin: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            lengths: &[usize],
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 3>>> {
+            let [tokens, heads, head_dim] = x.dims();
+            let [positions, table_dim] = cos.dims();
+            if x.dtype() != DType::BF16
+                || weight.dtype() != DType::BF16
+                || cos.dtype() != DType::F32
+                || sin.dtype() != DType::F32
+                || head_dim % 64 != 0
+                || head_dim > 256
+            {
+                return Ok(None);
+            }
+            let longest = lengths.iter().copied().max().unwrap_or(0);
+            if weight.dims() != [head_dim]
+                || table_dim != head_dim
+                || sin.dims() != cos.dims()
+                || lengths.iter().sum::<usize>() != tokens
+                || longest > positions
+            {
+                return Err(ModelError::InvalidInput(format!(
+                    "rms norm rope of {:?} with a {:?} weight, {:?} tables, sequences {lengths:?}",
+                    x.dims(),
+                    weight.dims(),
+                    cos.dims()
+                )));
+            }
+            let (x, weight) = (primitive(x.clone()), primitive(weight.clone()));
+            let (cos, sin) = (primitive(cos.clone()), primitive(sin.clone()));
+            let at: Vec<u32> = lengths.iter().flat_map(|&len| 0..len as u32).collect();
+            let at = x.client.create_from_slice(u32::as_bytes(&at));
+            let out = x.client.empty(tokens * heads * head_dim * 2);
+            let shape = NormRopeShape {
+                tokens,
+                heads,
+                head_dim,
+                positions,
+                eps: eps as f32,
+            };
+            rms_norm_rope::<R, half::bf16>(
+                &x.client,
+                &shape,
+                &x.handle,
+                &weight.handle,
+                &cos.handle,
+                &sin.handle,
+                &at,
+                &out,
+            )
+            .map_err(kernel_error("rms norm rope"))?;
+            let out = CubeTensor::new_contiguous(
+                x.client.clone(),
+                x.device.clone(),
+                [tokens, heads, head_dim].into(),
+                out,
                 DType::BF16,
             );
             Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))

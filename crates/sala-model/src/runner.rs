@@ -668,9 +668,14 @@ impl<B: Backend> LayerRunner<B> {
         Ok(self.round(concat_rows(outs)))
     }
 
-    /// RoPE tables covering every sequence of `lengths`, from the runner's cache (rebuilt
-    /// only when a longer sequence or another head dimension comes along).
+    /// RoPE tables covering every sequence of `lengths`, one row per token of the pack.
     fn rope_tables(&self, lengths: &[usize], head_dim: usize) -> Result<RopeTables<B>> {
+        self.rope_cache(lengths, head_dim)?.for_pack(lengths)
+    }
+
+    /// The runner's cached RoPE tables `[positions, head_dim]`, covering the longest of
+    /// `lengths` (rebuilt only when a longer sequence or another head dimension comes along).
+    fn rope_cache(&self, lengths: &[usize], head_dim: usize) -> Result<RopeTables<B>> {
         let longest = lengths.iter().copied().max().unwrap_or(0);
         let mut cache = self
             .rope
@@ -685,7 +690,36 @@ impl<B: Backend> LayerRunner<B> {
                 t
             }
         };
-        tables.for_pack(lengths)
+        Ok(tables)
+    }
+
+    /// Per-head RMSNorm of `x` `[tokens, heads, d]` with `weight` `[d]`, then RoPE at positions
+    /// restarting with each sequence of `lengths`: the [`FastOps`] fused kernel where it has
+    /// one, else the graph's norm and rotation.
+    fn norm_rope(
+        &self,
+        x: Tensor<B, 3>,
+        weight: Tensor<B, 1>,
+        lengths: &[usize],
+    ) -> Result<Tensor<B, 3>> {
+        let [tokens, heads, d] = x.dims();
+        let tables = self.rope_cache(lengths, d)?;
+        if let Some(fast) = &self.fast {
+            let eps = self.config.rms_norm_eps();
+            if let Some(out) =
+                fast.rms_norm_rope(&x, &weight, eps, &tables.cos, &tables.sin, lengths)?
+            {
+                return Ok(out);
+            }
+        }
+        let normed = self
+            .norm(x.reshape([tokens * heads, d]), weight)?
+            .reshape([tokens, heads, d]);
+        Ok(apply_rope(
+            normed,
+            &tables.for_pack(lengths)?,
+            self.options.numerics,
+        ))
     }
 
     /// Lightning q, k, v `[tokens, heads, d]` from the normed input `a`: projections,
@@ -700,25 +734,10 @@ impl<B: Backend> LayerRunner<B> {
         let dims = self.config.lightning_heads().ok_or_else(|| {
             ModelError::InvalidInput("lightning layer without lightning heads".into())
         })?;
-        let (tokens, heads, d) = (a.dims()[0], dims.heads, dims.head_dim);
+        let d = dims.head_dim;
         let [q, k, v] = self.project_qkv(a, dims, apply)?;
-        let head_norm = |x: Tensor<B, 3>, name: &str| -> Result<Tensor<B, 3>> {
-            let flat = x.reshape([tokens * heads, d]);
-            Ok(self
-                .norm(flat, w.tensor(name, [d])?)?
-                .reshape([tokens, heads, d]))
-        };
-        let rope = self.rope_tables(lengths, d)?;
-        let q = apply_rope(
-            head_norm(q, "self_attn.q_norm")?,
-            &rope,
-            self.options.numerics,
-        );
-        let k = apply_rope(
-            head_norm(k, "self_attn.k_norm")?,
-            &rope,
-            self.options.numerics,
-        );
+        let q = self.norm_rope(q, w.tensor("self_attn.q_norm", [d])?, lengths)?;
+        let k = self.norm_rope(k, w.tensor("self_attn.k_norm", [d])?, lengths)?;
         Ok([q, k, v])
     }
 

@@ -6,7 +6,9 @@ use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::CubeElement;
 use cubecl::server::Handle;
 use half::bf16;
-use sala_kernels::gates::{rms_norm, scaled_residual, sigmoid_gate, swiglu};
+use sala_kernels::gates::{
+    rms_norm, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu, NormRopeShape,
+};
 
 use crate::common::{client, Rng, TestRuntime};
 
@@ -267,4 +269,204 @@ fn bf16_norm_and_residual_round_where_the_graph_rounds() {
         .map(|(h, m)| bf16::from_f32(h.to_f32() + round_bf16(m.to_f32() * 0.3)))
         .collect();
     assert_eq!(download::<bf16>(&client, out), want);
+}
+
+/// The graph's per-head RMSNorm then rotate-half RoPE of `x` `[tokens, heads, d]` at
+/// `positions`, rounding through `round` (identity or bf16).
+#[allow(clippy::too_many_arguments)]
+fn host_norm_rope(
+    x: &[f32],
+    w: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    positions: &[u32],
+    heads: usize,
+    d: usize,
+    round: fn(f32) -> f32,
+) -> Vec<f32> {
+    x.chunks(d)
+        .enumerate()
+        .flat_map(|(row, head)| {
+            let y = host_norm(head, w, 1e-6, round);
+            let t = positions[row / heads] as usize * d;
+            (0..d)
+                .map(|e| {
+                    let rotated = if e < d / 2 {
+                        -y[e + d / 2]
+                    } else {
+                        y[e - d / 2]
+                    };
+                    round(y[e] * cos[t + e] + rotated * sin[t + e])
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Random inputs of the fused norm + RoPE: two sequences (positions restart), real tables.
+struct NormRopeCase {
+    shape: NormRopeShape,
+    x: Vec<f32>,
+    w: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    positions: Vec<u32>,
+}
+
+impl NormRopeCase {
+    fn new(rng: &mut Rng, lengths: &[usize], heads: usize, d: usize) -> Self {
+        let tokens: usize = lengths.iter().sum();
+        let table = *lengths.iter().max().unwrap();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..table {
+            for e in 0..d {
+                let angle = p as f32 / 10000f32.powf((2 * (e % (d / 2))) as f32 / d as f32);
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Self {
+            shape: NormRopeShape {
+                tokens,
+                heads,
+                head_dim: d,
+                positions: table,
+                eps: 1e-6,
+            },
+            x: inputs(rng, tokens * heads * d),
+            w: inputs(rng, d),
+            cos,
+            sin,
+            positions: lengths.iter().flat_map(|&l| 0..l as u32).collect(),
+        }
+    }
+
+    fn run<S: cubecl::prelude::Float + CubeElement>(
+        &self,
+        client: &Client,
+        x: &[S],
+        w: &[S],
+    ) -> Vec<S> {
+        let out = client.empty(self.x.len() * size_of::<S>());
+        rms_norm_rope::<TestRuntime, S>(
+            client,
+            &self.shape,
+            &upload(client, x),
+            &upload(client, w),
+            &upload(client, &self.cos),
+            &upload(client, &self.sin),
+            &upload(client, &self.positions),
+            &out,
+        )
+        .unwrap();
+        download::<S>(client, out)
+    }
+
+    fn want(&self, round: fn(f32) -> f32) -> Vec<f32> {
+        let x: Vec<f32> = self.x.iter().map(|&v| round(v)).collect();
+        let w: Vec<f32> = self.w.iter().map(|&v| round(v)).collect();
+        host_norm_rope(
+            &x,
+            &w,
+            &self.cos,
+            &self.sin,
+            &self.positions,
+            self.shape.heads,
+            self.shape.head_dim,
+            round,
+        )
+    }
+}
+
+#[test]
+fn f32_norm_rope_matches_the_host_chain() {
+    let Some(client) = client() else {
+        return;
+    };
+    let mut rng = Rng::new(64);
+    // A row count that leaves a cube partly empty; both head dims of the models.
+    for (lengths, heads, d) in [(&[5usize, 9][..], 3, 128), (&[17][..], 2, 64)] {
+        let case = NormRopeCase::new(&mut rng, lengths, heads, d);
+        let got = case.run::<f32>(&client, &case.x, &case.w);
+        let want = case.want(|v| v);
+        // Relative to the head's largest output: a rotated pair can cancel to near zero,
+        // and the products' rounding (or an FMA contraction) is relative to the terms.
+        for (g, w) in got.chunks(d).zip(want.chunks(d)) {
+            let top = w.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+            let err = g.iter().zip(w).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / top;
+            assert!(err < 1e-5, "norm rope {lengths:?} {heads}×{d}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn bf16_norm_rope_rounds_where_the_graph_rounds() {
+    let Some(client) = client() else {
+        return;
+    };
+    if !client
+        .properties()
+        .supports_type(ElemType::Float(FloatKind::BF16))
+    {
+        eprintln!("NOTICE: bf16 norm rope not tested: the runtime stores no bf16");
+        return;
+    }
+    let mut rng = Rng::new(65);
+    let case = NormRopeCase::new(&mut rng, &[300, 77], 32, 128);
+    let x: Vec<bf16> = case.x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let w: Vec<bf16> = case.w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let got = case.run::<bf16>(&client, &x, &w);
+    let want = case.want(round_bf16);
+    let mut differ = 0;
+    let x_rounded: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let w_rounded: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+    for ((g, w), head) in got
+        .chunks(128)
+        .zip(want.chunks(128))
+        .zip(x_rounded.chunks(128))
+    {
+        // The squares are summed in another order (a tree), so a normalised value can round
+        // to the neighbouring bf16 (one step of the head's largest normed value, carried
+        // through the rotation), and the f32 sums may be contracted to FMAs (one step of the
+        // output); a rotated pair can cancel to near 0, so steps are of the head's scale.
+        let y = host_norm(head, &w_rounded, 1e-6, round_bf16);
+        let y_top = y.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let out_top = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let step = (y_top + out_top) / 256.0;
+        for (g, w) in g.iter().zip(w) {
+            if *g != bf16::from_f32(*w) {
+                differ += 1;
+                assert!(
+                    (g.to_f32() - w).abs() <= step,
+                    "{g} vs {w}: more than one bf16 step of the head's scale"
+                );
+            }
+        }
+    }
+    assert!(differ * 100 < got.len(), "{differ} of {} differ", got.len());
+}
+
+#[test]
+fn norm_rope_refuses_odd_head_dims_and_short_tables() {
+    let Some(client) = client() else {
+        return;
+    };
+    let mut rng = Rng::new(66);
+    let case = NormRopeCase::new(&mut rng, &[4], 2, 64);
+    let bad = NormRopeShape {
+        head_dim: 96,
+        ..case.shape
+    };
+    let h = upload(&client, &case.x);
+    let err = rms_norm_rope::<TestRuntime, f32>(&client, &bad, &h, &h, &h, &h, &h, &h);
+    assert!(err.is_err());
+    let long = NormRopeShape {
+        positions: 1000,
+        ..case.shape
+    };
+    let (cos, w) = (upload(&client, &case.cos), upload(&client, &case.w));
+    let pos = upload(&client, &case.positions);
+    let out = client.empty(case.x.len() * 4);
+    let err = rms_norm_rope::<TestRuntime, f32>(&client, &long, &h, &w, &cos, &cos, &pos, &out);
+    assert!(err.unwrap_err().to_string().contains("tables"));
 }
