@@ -46,7 +46,7 @@ use half::bf16;
 use crate::attention::{check_inputs, typed_arg, AttentionShape};
 use crate::device::upload_slice;
 use crate::error::{flush, KernelError};
-use crate::launch::{bf16_cmma_supported, check_addressable, cube_count};
+use crate::launch::{bf16_cmma_supported, check_addressable, check_cube_resources, cube_count};
 
 /// Head dimensions the kernel is compiled for (each lane holds `head_dim / 2` output values
 /// in registers).
@@ -218,20 +218,8 @@ pub fn flash_attention_bf16_with<R: Runtime>(
     }
     check_inputs(shape, offsets, size_of::<bf16>(), [q, k, v, out])?;
     let tiling = flash_tiling(shape, offsets, planes)?;
-    let hardware = &client.properties().hardware;
     let units = PLANE * planes;
-    if (hardware.max_units_per_cube as usize) < units
-        || hardware.max_shared_memory_size < tiling.shared_bytes
-    {
-        return Err(KernelError::unsupported(
-            "flash attention device",
-            format!(
-                "the kernel needs {units} units and {} bytes of shared memory per cube; the \
-                 device allows {} and {}",
-                tiling.shared_bytes, hardware.max_units_per_cube, hardware.max_shared_memory_size
-            ),
-        ));
-    }
+    check_cube_resources(client, "flash attention device", units, tiling.shared_bytes)?;
     let (d, group) = (shape.head_dim, shape.group());
     let work = work_list(offsets, group, tiling.rows_per_cube);
     let items = work.len() / 3;

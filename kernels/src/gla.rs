@@ -35,7 +35,7 @@ use half::bf16;
 use crate::attention::{check_offsets, typed_arg};
 use crate::device::upload_slice;
 use crate::error::{flush, KernelError};
-use crate::launch::{bf16_cmma_supported, check_addressable, cube_count};
+use crate::launch::{bf16_cmma_supported, check_addressable, check_cube_resources, cube_count};
 
 /// Head dimensions the kernel is compiled for.
 pub const GLA_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -219,19 +219,7 @@ pub fn simple_gla_bf16<R: Runtime>(
             ));
         }
     }
-    let hardware = &client.properties().hardware;
-    if (hardware.max_units_per_cube as usize) < UNITS
-        || hardware.max_shared_memory_size < tiling.shared_bytes
-    {
-        return Err(KernelError::unsupported(
-            "gla device",
-            format!(
-                "the kernel needs {UNITS} units and {} bytes of shared memory per cube; the \
-                 device allows {} and {}",
-                tiling.shared_bytes, hardware.max_units_per_cube, hardware.max_shared_memory_size
-            ),
-        ));
-    }
+    check_cube_resources(client, "gla device", UNITS, tiling.shared_bytes)?;
     let work = work_list(offsets);
     let count = cube_count(client, tiling.cubes)?;
     let work_len = work.len();

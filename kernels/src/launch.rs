@@ -79,3 +79,27 @@ pub(crate) fn bf16_cmma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool
         && hardware.plane_size_min == CMMA_PLANE
         && hardware.plane_size_max == CMMA_PLANE
 }
+
+/// Errors (naming `what`) unless the device allows cubes of `units` units with
+/// `shared_bytes` bytes of shared memory each.
+pub(crate) fn check_cube_resources<R: Runtime>(
+    client: &ComputeClient<R>,
+    what: &'static str,
+    units: usize,
+    shared_bytes: usize,
+) -> Result<(), KernelError> {
+    let hardware = &client.properties().hardware;
+    if (hardware.max_units_per_cube as usize) < units
+        || hardware.max_shared_memory_size < shared_bytes
+    {
+        return Err(KernelError::unsupported(
+            what,
+            format!(
+                "the kernel needs {units} units and {shared_bytes} bytes of shared memory per \
+                 cube; the device allows {} and {}",
+                hardware.max_units_per_cube, hardware.max_shared_memory_size
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -254,18 +254,9 @@ impl Bf16Matrix {
     }
 }
 
-/// `h ← alpha·XᵀX + beta·h`: the Hessian of bf16 activations `x` `[tokens, dim]` into the f32
-/// window `h` `[dim, dim]`, by one `cublasGemmEx` (bf16 inputs, f32 output, f32 compute:
-/// products of bf16 values are exact in f32, so only the summation order differs from an
-/// f32 reference). `alpha = 1/tokens, beta = 0` gives the per-token-normalized Hessian.
-pub fn xtx_bf16(
-    client: &ComputeClient<CudaRuntime>,
-    blas: &Cublas,
-    x: &Bf16Matrix,
-    h: &MatrixView,
-    alpha: f32,
-    beta: f32,
-) -> Result<(), KernelError> {
+/// `(tokens, dim)` of `x` once `h` is a valid `[dim, dim]` window and `x`'s buffer holds its
+/// bf16 values: the checks of [`xtx_bf16`] and [`xtx_runs_bf16`].
+fn check_xtx_operands(x: &Bf16Matrix, h: &MatrixView) -> Result<(usize, usize), KernelError> {
     h.check("xtx h")?;
     let (tokens, dim) = (x.rows, x.cols);
     if h.rows != dim || h.cols != dim {
@@ -281,6 +272,22 @@ pub fn xtx_bf16(
             format!("{bytes} bytes for a {tokens}×{dim} bf16 matrix"),
         ));
     }
+    Ok((tokens, dim))
+}
+
+/// `h ← alpha·XᵀX + beta·h`: the Hessian of bf16 activations `x` `[tokens, dim]` into the f32
+/// window `h` `[dim, dim]`, by one `cublasGemmEx` (bf16 inputs, f32 output, f32 compute:
+/// products of bf16 values are exact in f32, so only the summation order differs from an
+/// f32 reference). `alpha = 1/tokens, beta = 0` gives the per-token-normalized Hessian.
+pub fn xtx_bf16(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    x: &Bf16Matrix,
+    h: &MatrixView,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    let (tokens, dim) = check_xtx_operands(x, h)?;
     if dim == 0 {
         return Ok(());
     }
@@ -333,21 +340,7 @@ pub fn xtx_runs_bf16(
     runs: &[XtxRun],
     h: &MatrixView,
 ) -> Result<(), KernelError> {
-    h.check("xtx h")?;
-    let (tokens, dim) = (x.rows, x.cols);
-    if h.rows != dim || h.cols != dim {
-        return Err(KernelError::shape(
-            "xtx",
-            format!("x is {tokens}×{dim}, h is {}×{}", h.rows, h.cols),
-        ));
-    }
-    let bytes = x.handle.size_in_used() as usize;
-    if bytes < tokens * dim * 2 {
-        return Err(KernelError::shape(
-            "xtx x",
-            format!("{bytes} bytes for a {tokens}×{dim} bf16 matrix"),
-        ));
-    }
+    let (tokens, dim) = check_xtx_operands(x, h)?;
     if let Some(r) = runs.iter().find(|r| r.first_row + r.rows > tokens) {
         return Err(KernelError::shape(
             "xtx runs",
