@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# --resume on a GPU, as a user would meet it (written 2026-12-02, not yet run on a GPU):
+# --resume on a GPU, as a user would meet it (run on an H200 on 2026-12-02: identical files for
+# both recipes; docs/formats.md):
 #
 #   bash bench/resume_gpu.sh path/to/quantize_sala OUT_DIR
 #
