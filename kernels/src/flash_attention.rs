@@ -3,9 +3,11 @@
 //!
 //! The contract is [`causal_gqa_attention`](crate::attention::causal_gqa_attention)'s (same
 //! layouts, same packed varlen sequences, query head `h` reading KV head `h / group`), for bf16
-//! buffers, with both products on the tensor cores through CubeCL's cooperative matrices
-//! (`cmma`, 16×16×16 bf16 → f32; WMMA on CUDA). It needs a runtime that offers that shape
-//! ([`flash_attention_supported`]): the portable kernel stays the reference and the fallback.
+//! buffers, with both products on the tensor cores through CubeCL's manual matrix-multiply
+//! instructions (`mma.m16n8k16` bf16 → f32, operands moved by `ldmatrix`), whose register
+//! layouts are known, so that scores, probabilities and the output never leave registers. It
+//! needs a runtime that offers them ([`flash_attention_supported`]: CUDA); the portable
+//! kernel stays the reference and the fallback.
 //!
 //! # Tiling
 //!
@@ -14,39 +16,35 @@
 //! the `group` heads that share a key lie next to each other, so one staged K/V tile serves
 //! every head of the group. A cube of `planes` planes (32 units each) owns `16 · planes`
 //! consecutive rows of one sequence and one KV head; plane `p` owns 16 of them, the `M` of its
-//! 16×16 matrix tiles.
+//! matrix products, and keeps their `Q` fragments in registers for the whole loop.
 //!
 //! Per tile of [`KEYS_PER_TILE`] keys, from the sequence's first key up to the cube's last
 //! token (tiles above the diagonal are never visited):
 //!
 //! 1. the cube stages the K and V tiles in shared memory (16-byte vector loads; keys past the
 //!    sequence's end read its last key, which the mask then drops, so no value is undefined);
-//! 2. each plane computes `S = Q·Kᵀ` for its 16 rows (its `Q` fragments stay in registers
-//!    for the whole loop) and stores it, f32, in its scratch;
-//! 3. each row's online softmax (two lanes per row, the scale folded in, keys past the row's
-//!    token masked to `P = 0`) writes `P` as bf16 and updates the row's running sum;
-//! 4. `O += P·V` straight into the plane's accumulators.
-//!
-//! The rescaling `O ← α·O` of the online softmax is lazy: a row keeps its reference maximum
-//! until a tile's maximum exceeds it by more than [`LAZY_RESCALE`] (so `P ≤ e⁸`); only then
-//! does its plane store the accumulators to shared memory, rescale those rows and load them
-//! back (the cooperative matrices hide which lane holds which element). Scores seldom climb
-//! that far after the first tiles, so the accumulators stay in registers.
+//! 2. each plane computes `S = Q·Kᵀ` for its 16 rows into f32 accumulators (registers);
+//! 3. each row's online softmax runs on the four lanes that hold the row (the scale folded
+//!    in, keys past the row's token masked to `P = 0`, maxima over the quad by shuffles),
+//!    rescaling the output accumulators in place when a row's maximum rises;
+//! 4. `O += P·V`, with `P`'s operand built from the score accumulators in registers (the
+//!    accumulator and operand layouts of `m16n8k16` line up, as flash-attention 2 uses).
 //!
 //! The output is `O / l`, rounded once to bf16. `P` is rounded to bf16 before `P·V` (as
-//! flash-attention does), the sum `l` is of the unrounded `P`: expect differences of a few
-//! bf16 ulps against the f32 reference.
+//! flash-attention does), the sum `l` is of the unrounded `P`, and `exp` is the fast hardware
+//! approximation: expect differences of a few bf16 ulps against the f32 reference.
 
 use std::cmp::Reverse;
 
+use cubecl::ir::MatrixIdent;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::bf16;
 
-use crate::attention::{check_inputs, typed_arg, AttentionShape};
+use crate::attention::{check_inputs, AttentionShape};
 use crate::device::upload_slice;
 use crate::error::{flush, KernelError};
-use crate::launch::{bf16_cmma_supported, check_addressable, check_cube_resources, cube_count};
+use crate::launch::{bf16_mma_supported, check_addressable, check_cube_resources, cube_count};
 
 /// Head dimensions the kernel is compiled for (each lane holds `head_dim / 2` output values
 /// in registers).
@@ -74,19 +72,6 @@ type V8 = Vector<bf16, Const<8>>;
 /// of a matrix fragment in the same shared-memory banks; 16 more bytes spread them.
 const ROW_PAD: usize = VEC;
 
-/// Row stride (f32) of a plane's score scratch: a multiple of 4 (the store's rule) that is not
-/// a multiple of 32, so that lanes reading different rows spread over the banks.
-const S_STRIDE: usize = KEYS_PER_TILE + 4;
-
-/// How far (natural log) a row's score maximum may rise above the reference maximum its
-/// `P = exp(s − m)` uses before the reference moves and the row's output is rescaled: `P`
-/// stays below `e⁸ ≈ 3000` (exact enough in bf16 and f32), and after the first tiles the
-/// rescaling through shared memory almost never runs (FlashAttention-4's lazy rescaling).
-pub const LAZY_RESCALE: f32 = 8.0;
-
-/// Row stride (bf16) of a plane's `P` tile (a multiple of 8, the load's rule).
-const P_STRIDE: usize = KEYS_PER_TILE + 8;
-
 /// How [`flash_attention_bf16`] tiles a problem (for benchmarks and reports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlashTiling {
@@ -100,28 +85,15 @@ pub struct FlashTiling {
     pub shared_bytes: usize,
 }
 
-/// Row stride (f32) of a plane's output scratch.
-fn o_stride(head_dim: usize) -> usize {
-    head_dim + 4
-}
-
-/// f32 elements of one plane's scratch: the score tile and, later in the same step, the `P·V`
-/// tile (16 rows each).
-fn plane_scratch(head_dim: usize) -> usize {
-    TILE * S_STRIDE.max(o_stride(head_dim))
-}
-
-/// Bytes of shared memory of a cube: the K and V tiles (which first stage `Q`), each plane's
-/// f32 scratch and bf16 `P` tile.
-fn shared_bytes(head_dim: usize, planes: usize) -> usize {
+/// Bytes of shared memory of a cube: the K and V tiles (which first stage `Q`).
+fn shared_bytes(head_dim: usize) -> usize {
     2 * KEYS_PER_TILE * (head_dim + ROW_PAD) * 2
-        + planes * (plane_scratch(head_dim) * 4 + TILE * P_STRIDE * 2)
 }
 
-/// Whether `client`'s runtime offers the 16×16×16 bf16 → f32 cooperative matrices the kernel
-/// is built on, with 32-unit planes.
+/// Whether `client`'s runtime offers the manual `m16n8k16` bf16 → f32 matrix products and
+/// the bf16 `ldmatrix` the kernel is built on, with 32-unit planes.
 pub fn flash_attention_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
-    bf16_cmma_supported(client)
+    bf16_mma_supported(client)
 }
 
 /// `[seq_start, seq_len, first_row]` of every cube's work item (rows numbered group-major
@@ -177,7 +149,7 @@ pub fn flash_tiling(
         planes,
         rows_per_cube,
         cubes: items * shape.kv_heads,
-        shared_bytes: shared_bytes(shape.head_dim, planes),
+        shared_bytes: shared_bytes(shape.head_dim),
     })
 }
 
@@ -213,7 +185,7 @@ pub fn flash_attention_bf16_with<R: Runtime>(
     if !flash_attention_supported(client) {
         return Err(KernelError::unsupported(
             "flash attention device",
-            "no 16×16×16 bf16 cooperative matrices with 32-unit planes on this runtime",
+            "no manual m16n8k16 bf16 matrix products with ldmatrix and 32-unit planes on this runtime",
         ));
     }
     check_inputs(shape, offsets, size_of::<bf16>(), [q, k, v, out])?;
@@ -225,20 +197,27 @@ pub fn flash_attention_bf16_with<R: Runtime>(
     let items = work.len() / 3;
     let count = cube_count(client, tiling.cubes)?;
     let work = upload_slice(client, &work);
-    flash_kernel::launch::<R>(
-        client,
-        count,
-        CubeDim::new_1d(units as u32),
-        vector_arg::<R>(q),
-        vector_arg::<R>(k),
-        vector_arg::<R>(v),
-        typed_arg::<R, bf16>(out),
-        // SAFETY: the work list holds exactly `3 · items` u32 values.
-        unsafe { ArrayArg::from_raw_parts(work, 3 * items) },
-        FlashArgsLaunch::new(shape.heads, shape.kv_heads, group, items, shape.scale),
-        d,
-        planes,
-    );
+    // SAFETY: the work list holds exactly `3 · items` u32 values.
+    let work = unsafe { ArrayArg::from_raw_parts(work, 3 * items) };
+    // SAFETY: every index the kernel forms stays inside its buffer: `check_inputs` checked the
+    // buffers against the shape and the offsets, the work list was built from those offsets
+    // (rows past a sequence are clamped to its last token and never stored, keys past it read
+    // its last key), and the shared-memory indices are bounded by the comptime tiling.
+    unsafe {
+        flash_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            CubeDim::new_1d(units as u32),
+            vector_arg::<R>(q),
+            vector_arg::<R>(k),
+            vector_arg::<R>(v),
+            pair_arg::<R>(out),
+            work,
+            FlashArgsLaunch::new(shape.heads, shape.kv_heads, group, items, shape.scale),
+            d,
+            planes,
+        )
+    };
     flush(client, "flash attention")?;
     Ok(tiling)
 }
@@ -248,6 +227,13 @@ pub fn flash_attention_bf16_with<R: Runtime>(
 fn vector_arg<R: Runtime>(handle: &Handle) -> ArrayArg<R> {
     let len = handle.size_in_used() as usize / (VEC * size_of::<bf16>());
     // SAFETY: the length is the buffer's own length in vectors, every index inside it.
+    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
+}
+
+/// A whole bf16 buffer as an array of bf16 pairs (its length is even: whole rows).
+fn pair_arg<R: Runtime>(handle: &Handle) -> ArrayArg<R> {
+    let len = handle.size_in_used() as usize / (2 * size_of::<bf16>());
+    // SAFETY: the length is the buffer's own length in pairs, every index inside it.
     unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
 }
 
@@ -263,20 +249,34 @@ struct FlashArgs {
     scale: f32,
 }
 
+/// One bf16 register pair of a matrix fragment (what `mma` and `ldmatrix` move per register).
+type Bf2 = Vector<bf16, Const<2>>;
+
+/// Two f32 accumulator elements of one fragment row.
+type F2 = Vector<f32, Const<2>>;
+
+/// Rows, columns and depth of the `mma.m16n8k16` instruction the kernel is built on.
+const MMA_M: usize = 16;
+const MMA_N: usize = 8;
+const MMA_K: usize = 16;
+
 /// One cube per (work item, KV head); see the module documentation for the steps.
 ///
-/// `d` is the head dimension, `planes` the planes per cube. Lane `l` of plane `p` owns row
-/// `r = l % 16` of the plane's 16 and the half `h = l / 16` of its keys (`h + 2i`) in the
-/// softmax and of its output columns (`h + 2c`): interleaved, so that the two lanes of a row
-/// hit neighbouring banks. Every unit reaches every barrier: loop bounds are uniform over the
-/// cube, and planes whose rows are all masked still take part in the matrix products.
-#[cube(launch)]
+/// `d` is the head dimension, `planes` the planes per cube. Fragments follow PTX's
+/// `m16n8k16` layout: lane `l` of a plane, `g = l / 4`, `t = l % 4`, holds of each 16×8
+/// accumulator the elements at rows `g` and `g + 8`, columns `2t` and `2t + 1`; the four
+/// lanes of a quad hold a whole row. Every unit reaches every barrier: loop bounds are uniform
+/// over the cube, and planes whose rows are all masked still take part in the products.
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
 fn flash_kernel(
     q: &Array<V8>,
     k: &Array<V8>,
     v: &Array<V8>,
-    out: &mut Array<bf16>,
+    out: &mut Array<Bf2>,
     work: &Array<u32>,
     args: &FlashArgs,
     #[comptime] d: usize,
@@ -287,12 +287,10 @@ fn flash_kernel(
         let units = comptime!(PLANE * planes);
         let rows_per_cube = comptime!(TILE * planes);
         let dv = comptime!(d / VEC);
-        // Staged rows are padded: `ld` bf16 (`ldv` vectors) apart.
-        let ld = comptime!(d + ROW_PAD);
+        // Staged rows are padded: `ldv` vectors apart.
         let ldv = comptime!((d + ROW_PAD) / VEC);
-        let o_str = comptime!(d + 4);
-        let scratch_len = comptime!(TILE * if d + 4 > S_STRIDE { d + 4 } else { S_STRIDE });
-        let half_d = comptime!(d / 2);
+        let v_base = comptime!(KEYS_PER_TILE * (d + ROW_PAD) / VEC);
+        let def = cmma::MmaDefinition::<bf16, bf16, f32>::new(MMA_M, MMA_N, MMA_K);
 
         let item = cube / args.kv_heads;
         let kv_head = cube % args.kv_heads;
@@ -304,20 +302,19 @@ fn flash_kernel(
         let u = UNIT_POS as usize;
         let plane = u / PLANE;
         let lane = u % PLANE;
-        let r = lane % TILE;
-        let h = lane / TILE;
+        let quad_row = lane / 4;
+        let quad_col = lane % 4;
+        // ldmatrix: lane `l` gives the address of row `l % 8` of matrix `l / 8`. Its offsets
+        // (vectors) within a K tile (matrices: keys +0/+8 by `l / 16`, d +0/+8 by `l / 8 % 2`)
+        // and a V tile (keys +0/+8 by `l / 8 % 2`, d +0/+8 by `l / 16`).
+        let ld_matrix = lane / 8;
+        let ld_row = lane % 8;
+        let k_lane = ((ld_matrix / 2) * 8 + ld_row) * ldv + ld_matrix % 2;
+        let v_lane = v_base + ((ld_matrix % 2) * 8 + ld_row) * ldv + ld_matrix / 2;
 
-        // K then V tile (KEYS_PER_TILE rows of d each, `ld` apart); Q is staged here first.
-        let mut kv_s = SharedMemory::<V8>::new_aligned(
-            comptime!(2 * KEYS_PER_TILE * (d + ROW_PAD) / VEC),
-            128usize,
-        );
-        let mut scratch =
-            SharedMemory::<f32>::new_aligned(comptime!(planes * scratch_len), 128usize);
-        let mut p_s =
-            SharedMemory::<bf16>::new_aligned(comptime!(planes * TILE * P_STRIDE), 128usize);
-        let scratch_base = plane * scratch_len;
-        let p_base = plane * comptime!(TILE * P_STRIDE);
+        // K then V tile (KEYS_PER_TILE rows of d each, `ldv` vectors apart); Q is staged here
+        // first.
+        let mut kv_s = SharedMemory::<V8>::new_aligned(comptime!(2 * v_base), 128usize);
 
         // Q of the cube's rows (rows past the sequence read its last token: never stored).
         #[unroll]
@@ -334,50 +331,42 @@ fn flash_kernel(
             kv_s[row * ldv + c] = q[(tok * args.heads + head) * dv + c];
         }
         sync_cube();
-        let mut q_frags = Sequence::<cmma::Matrix<bf16>>::new();
+        // The plane's 16 rows as A fragments, one per 16 columns of d, kept in registers.
+        let mut q_frags = Sequence::<Array<Bf2>>::new();
         #[unroll]
-        for c in 0..comptime!(d / TILE) {
-            let m = unsafe {
-                cmma::Matrix::<bf16>::uninitialized(
-                    cmma::MatrixIdent::A,
-                    TILE,
-                    TILE,
-                    TILE,
-                    cmma::MatrixLayout::RowMajor,
-                )
-            };
-            cmma::load(
-                &m,
-                &kv_s.slice((plane * TILE * ld + c * TILE) / VEC, kv_s.len()),
-                ld as u32,
-            );
-            q_frags.push(m);
+        for c in 0..comptime!(d / MMA_K) {
+            let row = plane * TILE + lane % 16;
+            let at = row * ldv + 2 * c + lane / 16;
+            q_frags.push(def.load_matrix::<V8, Const<2>>(
+                &kv_s.slice(at, at + 1),
+                MatrixIdent::A,
+                4usize,
+                false,
+            ));
         }
         sync_cube();
 
-        // This lane's row: its token (rows past the sequence take its last one, so that their
-        // unused softmax always sees a key) and its online-softmax state.
-        let mut f_row = f0 + plane * TILE + r;
-        let row_valid = f_row < seq_rows;
-        if !row_valid {
-            f_row = seq_rows - 1;
-        }
-        let tok_row = f_row / g;
-        // The row's reference maximum (raised lazily, see the module docs) and running sum;
-        // the output accumulates in the plane's cooperative matrices.
-        let mut m_run = f32::min_value();
-        let mut l_run = 0.0f32;
-        let mut o_frags = Sequence::<cmma::Matrix<f32>>::new();
+        // This lane's two rows (fragment rows `quad_row` and `quad_row + 8`): their tokens
+        // (rows past the sequence take its last one, so that their unused softmax always sees
+        // a key) and online-softmax state.
+        let f_a = f0 + plane * TILE + quad_row;
+        let f_b = f_a + 8;
+        let valid_a = f_a < seq_rows;
+        let valid_b = f_b < seq_rows;
+        let tok_a = if valid_a { f_a / g } else { seq_len - 1 };
+        let tok_b = if valid_b { f_b / g } else { seq_len - 1 };
+        // [m_a, m_b, l_a, l_b]: the rows' running maxima (scaled scores) and the partial sums
+        // of `P` over this lane's columns (the quad's four are added at the end).
+        let mut state = Array::<f32>::new(4usize);
+        state[0] = f32::min_value();
+        state[1] = f32::min_value();
+        state[2] = 0.0f32;
+        state[3] = 0.0f32;
+        let first_token = f0 / g;
+        let mut o_frags = Sequence::<Array<F2>>::new();
         #[unroll]
-        for _n in 0..comptime!(d / TILE) {
-            o_frags.push(cmma::Matrix::<f32>::from_value(
-                cmma::MatrixIdent::Accumulator,
-                TILE,
-                TILE,
-                TILE,
-                cmma::MatrixLayout::Undefined,
-                0.0f32,
-            ));
+        for _n in 0..comptime!(d / MMA_N) {
+            o_frags.push(zero_accumulator());
         }
 
         let mut last_row = f0 + rows_per_cube;
@@ -386,7 +375,6 @@ fn flash_kernel(
         }
         let last_token = (last_row - 1) / g;
         let kv_stride = args.kv_heads * dv;
-        let o_row = scratch_base + r * o_str + h;
         let mut k0 = 0usize;
         while k0 <= last_token {
             // Stage K and V (the previous tile's readers finished at the loop's last barrier).
@@ -401,194 +389,257 @@ fn flash_kernel(
                 }
                 let src = (seq_start + key) * kv_stride + kv_head * dv + c;
                 kv_s[j * ldv + c] = k[src];
-                kv_s[comptime!(KEYS_PER_TILE * (d + ROW_PAD) / VEC) + j * ldv + c] = v[src];
+                kv_s[v_base + j * ldv + c] = v[src];
             }
             sync_cube();
 
-            // S = Q·Kᵀ for the plane's 16 rows, into its scratch.
+            // S = Q·Kᵀ: one accumulator per 8 keys. A K row is a column of Kᵀ, so ldmatrix
+            // without transposition gives the B fragments: matrices (keys 0–7, d 0–7),
+            // (keys 0–7, d 8–15), (keys 8–15, d 0–7), (keys 8–15, d 8–15) of each 16 × 16.
+            let mut s_frags = Sequence::<Array<F2>>::new();
             #[unroll]
-            for n in 0..comptime!(KEYS_PER_TILE / TILE) {
-                let acc = cmma::Matrix::<f32>::from_value(
-                    cmma::MatrixIdent::Accumulator,
-                    TILE,
-                    TILE,
-                    TILE,
-                    cmma::MatrixLayout::Undefined,
-                    0.0f32,
-                );
-                #[unroll]
-                for c in 0..comptime!(d / TILE) {
-                    let b = unsafe {
-                        cmma::Matrix::<bf16>::uninitialized(
-                            cmma::MatrixIdent::B,
-                            TILE,
-                            TILE,
-                            TILE,
-                            cmma::MatrixLayout::ColMajor,
-                        )
-                    };
-                    cmma::load(
-                        &b,
-                        &kv_s.slice((n * TILE * ld + c * TILE) / VEC, kv_s.len()),
-                        ld as u32,
-                    );
-                    cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(c), &b, &acc, &acc);
-                }
-                cmma::store(
-                    &mut scratch.slice_mut(scratch_base + n * TILE, scratch.len()),
-                    &acc,
-                    S_STRIDE as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
+            for _j in 0..comptime!(KEYS_PER_TILE / MMA_N) {
+                s_frags.push(zero_accumulator());
             }
-            sync_plane();
-
-            // Online softmax of row r over keys h + 2i of the tile (two lanes per row). The
-            // reference maximum moves only at the first tile or when the tile's maximum
-            // exceeds it by more than LAZY_RESCALE, so that `P ≤ e^LAZY_RESCALE` and the
-            // output seldom needs rescaling.
-            let s_row = scratch_base + r * S_STRIDE + h;
-            let p_row = p_base + r * P_STRIDE + h;
-            let mut m_tile = f32::min_value();
             #[unroll]
-            for i in 0..comptime!(KEYS_PER_TILE / 2) {
-                let s = scratch[s_row + 2 * i] * args.scale;
-                if k0 + h + 2 * i <= tok_row && s > m_tile {
-                    m_tile = s;
-                }
-            }
-            let other = plane_shuffle_xor(m_tile, TILE as u32);
-            if other > m_tile {
-                m_tile = other;
-            }
-            let mut alpha = 1.0f32;
-            if k0 == 0 {
-                // Every row sees its sequence's first key here: O and l are still 0.
-                m_run = m_tile;
-            } else if m_tile > m_run + LAZY_RESCALE {
-                alpha = (m_run - m_tile).exp();
-                m_run = m_tile;
-            }
-            let mut sum = 0.0f32;
-            #[unroll]
-            for i in 0..comptime!(KEYS_PER_TILE / 2) {
-                let mut p = 0.0f32;
-                if k0 + h + 2 * i <= tok_row {
-                    p = (scratch[s_row + 2 * i] * args.scale - m_run).exp();
-                }
-                p_s[p_row + 2 * i] = bf16::cast_from(p);
-                sum += p;
-            }
-            sum += plane_shuffle_xor(sum, TILE as u32);
-            l_run = l_run * alpha + sum;
-            sync_plane();
-
-            // Rows whose maximum moved rescale their output, through the scratch (the
-            // cooperative matrices hide which lane holds which element).
-            if plane_any(alpha != 1.0f32) {
+            for c in 0..comptime!(d / MMA_K) {
                 #[unroll]
-                for n in 0..comptime!(d / TILE) {
-                    cmma::store(
-                        &mut scratch.slice_mut(scratch_base + n * TILE, scratch.len()),
-                        o_frags.index(n),
-                        o_str as u32,
-                        cmma::MatrixLayout::RowMajor,
+                for jj in 0..comptime!(KEYS_PER_TILE / 16) {
+                    let at = k_lane + comptime!(16 * jj * ((d + ROW_PAD) / VEC) + 2 * c);
+                    let b = def.load_matrix::<V8, Const<2>>(
+                        &kv_s.slice(at, at + 1),
+                        MatrixIdent::B,
+                        4usize,
+                        false,
                     );
-                }
-                sync_plane();
-                #[unroll]
-                for c in 0..half_d {
-                    scratch[o_row + 2 * c] = scratch[o_row + 2 * c] * alpha;
-                }
-                sync_plane();
-                #[unroll]
-                for n in 0..comptime!(d / TILE) {
-                    cmma::load_with_layout(
-                        o_frags.index(n),
-                        &scratch.slice(scratch_base + n * TILE, scratch.len()),
-                        o_str as u32,
-                        cmma::MatrixLayout::RowMajor,
-                    );
+                    let (b_lo, b_hi) = split_pairs(&b);
+                    def.execute_inplace(q_frags.index(c), &b_lo, s_frags.index_mut(2 * jj));
+                    def.execute_inplace(q_frags.index(c), &b_hi, s_frags.index_mut(2 * jj + 1));
                 }
             }
 
-            // O += P·V.
-            let mut p_frags = Sequence::<cmma::Matrix<bf16>>::new();
-            #[unroll]
-            for kk in 0..comptime!(KEYS_PER_TILE / TILE) {
-                let a = unsafe {
-                    cmma::Matrix::<bf16>::uninitialized(
-                        cmma::MatrixIdent::A,
-                        TILE,
-                        TILE,
-                        TILE,
-                        cmma::MatrixLayout::RowMajor,
-                    )
-                };
-                cmma::load(
-                    &a,
-                    &p_s.slice(p_base + kk * TILE, p_s.len()),
-                    P_STRIDE as u32,
+            // Online softmax; tiles wholly below the diagonal of the cube's rows (all but the
+            // last one or two) need no mask.
+            if k0 + KEYS_PER_TILE <= first_token + 1 {
+                online_softmax(
+                    &mut s_frags,
+                    &mut o_frags,
+                    &mut state,
+                    k0,
+                    quad_col,
+                    tok_a,
+                    tok_b,
+                    args.scale,
+                    false,
+                    d,
                 );
-                p_frags.push(a);
+            } else {
+                online_softmax(
+                    &mut s_frags,
+                    &mut o_frags,
+                    &mut state,
+                    k0,
+                    quad_col,
+                    tok_a,
+                    tok_b,
+                    args.scale,
+                    true,
+                    d,
+                );
             }
+
+            // O += P·V. P's A fragment for keys 16kk..16kk+15 is the accumulators of keys
+            // 16kk.. and 16kk+8.. side by side (PTX's layouts line up), rounded to bf16. V's B
+            // fragments come from ldmatrix with transposition: matrices (keys 0–7, d 0–7),
+            // (keys 8–15, d 0–7), (keys 0–7, d 8–15), (keys 8–15, d 8–15).
             #[unroll]
-            for n in 0..comptime!(d / TILE) {
+            for kk in 0..comptime!(KEYS_PER_TILE / MMA_K) {
+                let p = p_fragment(s_frags.index(2 * kk), s_frags.index(2 * kk + 1));
                 #[unroll]
-                for kk in 0..comptime!(KEYS_PER_TILE / TILE) {
-                    let b = unsafe {
-                        cmma::Matrix::<bf16>::uninitialized(
-                            cmma::MatrixIdent::B,
-                            TILE,
-                            TILE,
-                            TILE,
-                            cmma::MatrixLayout::RowMajor,
-                        )
-                    };
-                    cmma::load(
-                        &b,
-                        &kv_s.slice(
-                            (comptime!(KEYS_PER_TILE * (d + ROW_PAD)) + kk * TILE * ld + n * TILE)
-                                / VEC,
-                            kv_s.len(),
-                        ),
-                        ld as u32,
+                for n2 in 0..comptime!(d / 16) {
+                    let at = v_lane + comptime!(16 * kk * ((d + ROW_PAD) / VEC) + 2 * n2);
+                    let b = def.load_matrix::<V8, Const<2>>(
+                        &kv_s.slice(at, at + 1),
+                        MatrixIdent::B,
+                        4usize,
+                        true,
                     );
-                    cmma::execute::<bf16, bf16, f32, f32>(
-                        p_frags.index(kk),
-                        &b,
-                        o_frags.index(n),
-                        o_frags.index(n),
-                    );
+                    let (b_lo, b_hi) = split_pairs(&b);
+                    def.execute_inplace(&p, &b_lo, o_frags.index_mut(2 * n2));
+                    def.execute_inplace(&p, &b_hi, o_frags.index_mut(2 * n2 + 1));
                 }
             }
-            // Everyone is done with this tile's K, V, P and scratch before the next overwrites.
+            // Everyone is done with this tile's K and V before the next overwrites them.
             sync_cube();
             k0 += KEYS_PER_TILE;
         }
 
-        // O / l, through the scratch.
+        // O / l, rounded once to bf16; each lane writes its column pairs of its two rows.
+        let l_a = quad_sum(state[2]);
+        let l_b = quad_sum(state[3]);
+        let inv_a = F2::empty().fill(1.0f32 / l_a);
+        let inv_b = F2::empty().fill(1.0f32 / l_b);
+        let half_d = comptime!(d / 2);
+        let base_a = ((seq_start + tok_a) * args.heads + kv_head * g + f_a % g) * half_d;
+        let base_b = ((seq_start + tok_b) * args.heads + kv_head * g + f_b % g) * half_d;
         #[unroll]
-        for n in 0..comptime!(d / TILE) {
-            cmma::store(
-                &mut scratch.slice_mut(scratch_base + n * TILE, scratch.len()),
-                o_frags.index(n),
-                o_str as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
-        }
-        sync_plane();
-        if row_valid {
-            let inv = 1.0f32 / l_run;
-            let tok = seq_start + f_row / g;
-            let head = kv_head * g + f_row % g;
-            let base = (tok * args.heads + head) * d + h;
-            #[unroll]
-            for c in 0..half_d {
-                out[base + 2 * c] = bf16::cast_from(scratch[o_row + 2 * c] * inv);
+        for n in 0..comptime!(d / MMA_N) {
+            let o = o_frags.index(n);
+            let col = n * comptime!(MMA_N / 2) + quad_col;
+            if valid_a {
+                out[base_a + col] = Bf2::cast_from(o[0] * inv_a);
+            }
+            if valid_b {
+                out[base_b + col] = Bf2::cast_from(o[1] * inv_b);
             }
         }
     }
+}
+
+/// One tile's online softmax for a lane's two rows (`a`: fragment row `quad_row`, `b`: 8 rows
+/// below), over its 16 keys of the tile; a row's maximum is its quad's (the four lanes that
+/// hold the row). Turns the score accumulators into `P` in place, updates
+/// `state = [m_a, m_b, l_a, l_b]` and rescales the output accumulators where a maximum rose.
+/// With `masked`, keys past a row's token get `P = 0`; without, every key is visible.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn online_softmax(
+    s_frags: &mut Sequence<Array<F2>>,
+    o_frags: &mut Sequence<Array<F2>>,
+    state: &mut Array<f32>,
+    k0: usize,
+    quad_col: usize,
+    tok_a: usize,
+    tok_b: usize,
+    scale: f32,
+    #[comptime] masked: bool,
+    #[comptime] d: usize,
+) {
+    // The maximum of the raw scores (the scale is positive), scaled once.
+    let mut raw_a = f32::min_value();
+    let mut raw_b = f32::min_value();
+    #[unroll]
+    for j in 0..comptime!(KEYS_PER_TILE / MMA_N) {
+        let s = s_frags.index(j);
+        #[unroll]
+        for e in 0..2usize {
+            if masked {
+                let key = k0 + j * MMA_N + 2 * quad_col + e;
+                if key <= tok_a {
+                    raw_a = f32::max(raw_a, s[0][e]);
+                }
+                if key <= tok_b {
+                    raw_b = f32::max(raw_b, s[1][e]);
+                }
+            } else {
+                raw_a = f32::max(raw_a, s[0][e]);
+                raw_b = f32::max(raw_b, s[1][e]);
+            }
+        }
+    }
+    let m_a = f32::max(quad_max(raw_a) * scale, state[0]);
+    let m_b = f32::max(quad_max(raw_b) * scale, state[1]);
+    // The first tile starts every row (its key 0 is visible to all): O and l are 0.
+    let mut alpha_a = 0.0f32;
+    let mut alpha_b = 0.0f32;
+    if k0 != 0 {
+        alpha_a = (state[0] - m_a).exp();
+        alpha_b = (state[1] - m_b).exp();
+    }
+    let mut sum_a = 0.0f32;
+    let mut sum_b = 0.0f32;
+    #[unroll]
+    for j in 0..comptime!(KEYS_PER_TILE / MMA_N) {
+        let s = s_frags.index_mut(j);
+        let mut p_a = F2::empty();
+        let mut p_b = F2::empty();
+        #[unroll]
+        for e in 0..2usize {
+            p_a[e] = (s[0][e] * scale - m_a).exp();
+            p_b[e] = (s[1][e] * scale - m_b).exp();
+            if masked {
+                let key = k0 + j * MMA_N + 2 * quad_col + e;
+                if key > tok_a {
+                    p_a[e] = 0.0f32;
+                }
+                if key > tok_b {
+                    p_b[e] = 0.0f32;
+                }
+            }
+            sum_a += p_a[e];
+            sum_b += p_b[e];
+        }
+        s[0] = p_a;
+        s[1] = p_b;
+    }
+    state[0] = m_a;
+    state[1] = m_b;
+    state[2] = state[2] * alpha_a + sum_a;
+    state[3] = state[3] * alpha_b + sum_b;
+    if plane_any(alpha_a != 1.0f32 || alpha_b != 1.0f32) {
+        let scale_a = F2::empty().fill(alpha_a);
+        let scale_b = F2::empty().fill(alpha_b);
+        #[unroll]
+        for n in 0..comptime!(d / MMA_N) {
+            let o = o_frags.index_mut(n);
+            o[0] = o[0] * scale_a;
+            o[1] = o[1] * scale_b;
+        }
+    }
+}
+
+/// A 16×8 f32 accumulator of zeros (two register pairs per lane).
+#[cube]
+fn zero_accumulator() -> Array<F2> {
+    let mut acc = Array::<F2>::new(2usize);
+    acc[0] = F2::empty().fill(0.0f32);
+    acc[1] = F2::empty().fill(0.0f32);
+    acc
+}
+
+/// The two B fragments in the four registers of an `ldmatrix.x4`.
+#[cube]
+fn split_pairs(regs: &Array<Bf2>) -> (Array<Bf2>, Array<Bf2>) {
+    let mut lo = Array::<Bf2>::new(2usize);
+    let mut hi = Array::<Bf2>::new(2usize);
+    lo[0] = regs[0];
+    lo[1] = regs[1];
+    hi[0] = regs[2];
+    hi[1] = regs[3];
+    (lo, hi)
+}
+
+/// The A fragment (16×16, bf16) of two neighbouring 16×8 accumulators.
+#[cube]
+fn p_fragment(left: &Array<F2>, right: &Array<F2>) -> Array<Bf2> {
+    let mut a = Array::<Bf2>::new(4usize);
+    a[0] = Bf2::cast_from(left[0]);
+    a[1] = Bf2::cast_from(left[1]);
+    a[2] = Bf2::cast_from(right[0]);
+    a[3] = Bf2::cast_from(right[1]);
+    a
+}
+
+/// The maximum over the four lanes of a quad (the lanes holding one fragment row).
+#[cube]
+fn quad_max(x: f32) -> f32 {
+    let mut m = x;
+    let other = plane_shuffle_xor(m, 1u32);
+    if other > m {
+        m = other;
+    }
+    let other = plane_shuffle_xor(m, 2u32);
+    if other > m {
+        m = other;
+    }
+    m
+}
+
+/// The sum over the four lanes of a quad.
+#[cube]
+fn quad_sum(x: f32) -> f32 {
+    let s = x + plane_shuffle_xor(x, 1u32);
+    s + plane_shuffle_xor(s, 2u32)
 }
 
 #[cfg(test)]

@@ -80,6 +80,31 @@ pub(crate) fn bf16_cmma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool
         && hardware.plane_size_max == CMMA_PLANE
 }
 
+/// Rows, columns and depth of the manual matrix product the flash kernel is built on
+/// (`mma.m16n8k16`).
+const MMA_SHAPE: (u32, u32, u32) = (16, 8, 16);
+
+/// Whether `client`'s runtime offers the manual `m16n8k16` bf16 → f32 matrix products and
+/// bf16 `ldmatrix` (CUDA from sm_80), with 32-unit planes.
+pub(crate) fn bf16_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let bf16_type = ElemType::Float(FloatKind::BF16).into();
+    let (m, n, k) = MMA_SHAPE;
+    let config = MmaConfig {
+        a_type: bf16_type,
+        b_type: bf16_type,
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m,
+        n,
+        k,
+    };
+    let hardware = &client.properties().hardware;
+    let matmul = &client.features().matmul;
+    matmul.mma.contains(&config)
+        && matmul.ldmatrix.contains(&bf16_type)
+        && hardware.plane_size_min == CMMA_PLANE
+        && hardware.plane_size_max == CMMA_PLANE
+}
+
 /// Errors (naming `what`) unless the device allows cubes of `units` units with
 /// `shared_bytes` bytes of shared memory each.
 pub(crate) fn check_cube_resources<R: Runtime>(

@@ -20,7 +20,7 @@
 //!   route to GPTQ's factor;
 //! - [`attention`]: causal grouped-query flash attention over packed variable-length
 //!   sequences ([`causal_gqa_attention`]);
-//! - [`flash_attention`]: the same attention on the tensor cores (bf16 cooperative matrices),
+//! - [`flash_attention`]: the same attention on the tensor cores (manual bf16 `mma`, CUDA),
 //!   where the runtime offers them ([`flash_attention_bf16`]);
 //! - [`gla`]: chunked Simple GLA (one constant decay per head) over packed sequences on the
 //!   tensor cores, in f32 precision ([`simple_gla_bf16`]);
