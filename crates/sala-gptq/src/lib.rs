@@ -8,6 +8,8 @@
 //! - [`options`]: everything a run is told ([`QuantizeOptions`]), with the original defaults;
 //! - [`pipeline`]: a whole run into a checkpoint ([`Pipeline`]), then verify;
 //! - [`packing`]: which samples run through a layer together ([`pack_samples`]);
+//! - [`data_parallel`]: the plan of a calibration spread over several GPUs (samples and
+//!   solve owners balanced per device) and what its reductions compute (no transport yet);
 //! - [`engine`]: the layer-by-layer data path ([`LayerEngine`]) shared by the pipeline and the
 //!   synthetic benchmark: capture, accumulate, smooth, solve, write, propagate;
 //! - [`solver`]: the solve stage's seam ([`LinearSolver`]; [`CpuSolver`] by default, a GPU
@@ -27,6 +29,7 @@
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
 
+pub mod data_parallel;
 pub mod engine;
 mod error;
 pub mod evaluate;
