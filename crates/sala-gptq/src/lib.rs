@@ -59,7 +59,9 @@ pub use plan::{
     LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
 };
 pub use progress::{NoProgress, Progress, Stage};
-pub use report::{LayerReport, LinearReport, Report, StageSeconds, StageTotals};
+pub use report::{
+    LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds, StageTotals,
+};
 pub use resident::ResidentSolver;
 pub use resume::file_hash;
 /// The solve stage's seam (from `sala-hessian`).
