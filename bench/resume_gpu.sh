@@ -6,9 +6,9 @@
 #
 # For each recipe on the bundled trained fixture: two uninterrupted `--device cuda` runs (so
 # that a difference can be told apart from run-to-run nondeterminism), then a `--resume` run
-# killed by the test hook after layer 3 and resumed; every file but quantization_report.json
-# (which holds timings) is compared with the first run's. quantize_sala must be built with
-# `--features cuda`.
+# killed by the test hook after layer 3 and resumed; every file but the reports
+# (quantization_report.json and .html, which hold timings) is compared with the first run's.
+# quantize_sala must be built with `--features cuda`.
 set -u
 if [ $# -ne 2 ]; then
     echo "usage: $0 QUANTIZE_SALA_BINARY OUT_DIR" >&2
@@ -33,7 +33,8 @@ for r in gptq nvfp4; do
     grep -E "continuing" "$W/res-$r.log" | head -2
     for other in ref2 res; do
         for f in $(cd "$W/ref-$r" && ls); do
-            [ "$f" = quantization_report.json ] && continue
+            # The reports carry wall-clock timings (the HTML page is rendered from the JSON).
+            case "$f" in quantization_report.json|quantization_report.html) continue ;; esac
             if cmp -s "$W/ref-$r/$f" "$W/$other-$r/$f"; then
                 echo "  $other-$r: $f identical"
             else

@@ -172,6 +172,11 @@ pub struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Print the full tables: the calibration coverage, the plan per layer and one row per
+    /// quantized linear (by default a summary of each; the full figures are always in
+    /// quantization_report.json and quantization_report.html).
+    #[arg(long)]
+    full_table: bool,
 }
 
 /// `--recipe`.
@@ -266,6 +271,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let config = SalaConfig::from_file(&input.join("config.json"))?;
     let plan = QuantPlan::build(&config, &options.plan)?;
     options.check(&plan)?;
+    let plan_json = plan_json(&plan, &config)?;
     if args.plan_only {
         say(&plan)?;
         return Ok(());
@@ -366,11 +372,15 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             config.hidden_size()
         );
     }
-    if !args.quiet {
-        // Before any compute, a standard output that cannot be written is an error.
+    // Before any compute, a standard output that cannot be written is an error.
+    if args.full_table && !args.quiet {
         say(&stats)?;
         say(&plan)?;
+    } else if !args.quiet {
+        say(calibration_line(&stats))?;
+        say(plan_summary(&plan_json, &plan)?)?;
     }
+    let model = model_json(&input, &config)?;
     let samples: Vec<Sample> = calib
         .samples
         .into_iter()
@@ -393,24 +403,140 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         report,
         mut checkpoint,
     } = dispatch(args.device, "quantize_sala", args.host_solver, job)?;
-    let json = serde_json::to_string_pretty(
-        &serde_json::json!({ "report": &report, "calibration": &stats }),
-    )?;
+    let value = serde_json::json!({
+        "report": &report,
+        "calibration": &stats,
+        "plan": plan_json,
+        "model": model,
+        "settings": settings(&args),
+    });
+    let json = serde_json::to_string_pretty(&value)?;
     checkpoint.write_file(sala_export::REPORT_FILE, json.as_bytes())?;
+    // The page is rendered from the JSON just written (not from the structures behind it), so
+    // its figures are the file's and `render_report` renders the same page again.
+    let page = sala_report_html::render(&sala_report_html::Inputs {
+        report: serde_json::from_value(value)
+            .map_err(|e| format!("{}: {e}", sala_export::REPORT_FILE))?,
+        eval: None,
+        drift: None,
+    })?;
+    checkpoint.write_file(sala_report_html::HTML_FILE, page.as_bytes())?;
     let written = checkpoint.commit()?;
     // The checkpoint and its report are committed: a standard output that cannot be written
     // now (closed, full) changes nothing about them, so it is a warning and the run succeeds.
     let report_path = written.dir.join(sala_export::REPORT_FILE);
-    if let Err(e) = say(&report).and_then(|()| say(format!("report: {}", report_path.display()))) {
+    let html_path = written.dir.join(sala_report_html::HTML_FILE);
+    let table = match args.full_table {
+        true => format!("{}\n", report.table()),
+        false => String::new(),
+    };
+    if let Err(e) = say(format_args!("{table}{}", report.summary())).and_then(|()| {
+        say(format!(
+            "report: {}\n        {}",
+            html_path.display(),
+            report_path.display()
+        ))
+    }) {
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr(),
-            "warning: {e}; the checkpoint {} is complete and verified, its report is {}",
+            "warning: {e}; the checkpoint {} is complete and verified, its report is {} ({})",
             written.dir.display(),
+            html_path.display(),
             report_path.display()
         );
     }
     Ok(())
+}
+
+/// The plan as `quantization_report.json` holds it: every linear's treatment and each
+/// layer's kind (which the plan's own serialization leaves out).
+fn plan_json(
+    plan: &QuantPlan,
+    config: &SalaConfig,
+) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let mut value = serde_json::to_value(plan)?;
+    let kinds: Vec<&str> = config
+        .layer_kinds()
+        .iter()
+        .map(|&k| sala_gptq::plan::kind_name(k))
+        .collect();
+    if let Some(map) = value.as_object_mut() {
+        map.insert("layer_kinds".into(), serde_json::json!(kinds));
+    }
+    Ok(value)
+}
+
+/// The plan in a few lines: one per layer kind (the HTML report's summary), then the count.
+fn plan_summary(
+    plan_json: &serde_json::Value,
+    plan: &QuantPlan,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let summary: sala_report_html::Plan = serde_json::from_value(plan_json.clone())?;
+    let mut out = String::from("plan:\n");
+    for row in summary.summary() {
+        let layers = match row.layers.is_empty() {
+            true => String::new(),
+            false => format!(" (layers {})", row.layers),
+        };
+        out += &format!("  {}{layers}: {}\n", row.kind, row.projections);
+    }
+    out += &format!(
+        "  {} of {} linears quantized",
+        plan.quantized().count(),
+        plan.linears.len()
+    );
+    Ok(out)
+}
+
+/// The calibration coverage in one line (`--full-table` prints the table).
+fn calibration_line(stats: &CalibStats) -> String {
+    format!(
+        "calibration: {} samples ({} distinct), {} tokens (min {}, mean {:.0}, max {}), {} truncated, uniqueness mean {:.3}",
+        stats.samples,
+        stats.distinct_records,
+        stats.total_tokens,
+        stats.min_tokens,
+        stats.mean_tokens,
+        stats.max_tokens,
+        stats.truncated,
+        stats.uniqueness.mean
+    )
+}
+
+/// The source model's name, type and size, for the report (bits per parameter, size ratio).
+fn model_json(
+    input: &Path,
+    config: &SalaConfig,
+) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let store = sala_gptq::model::TensorStore::open(input)?;
+    let mut parameters = 0u64;
+    for name in store.names() {
+        let info = store.info(name)?;
+        parameters += info.shape.iter().map(|&d| d as u64).product::<u64>();
+    }
+    let mut bytes = 0u64;
+    for entry in std::fs::read_dir(input).map_err(|e| format!("{}: {e}", input.display()))? {
+        let path = entry
+            .map_err(|e| format!("{}: {e}", input.display()))?
+            .path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            bytes += std::fs::metadata(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+                .len();
+        }
+    }
+    let name = input
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| input.display().to_string());
+    Ok(serde_json::json!({
+        "name": name,
+        "model_type": config.raw().model_type,
+        "parameters": parameters,
+        "bytes": bytes,
+    }))
 }
 
 /// The most worker threads `--threads` starts.
@@ -442,6 +568,17 @@ fn resume_identity(
 ) -> Result<Vec<(String, String)>, Box<dyn std::error::Error>> {
     let hash = sala_gptq::file_hash(calib_path, None)
         .map_err(|e| format!("{}: {e}", calib_path.display()))?;
+    let mut identity = settings(args);
+    identity.push((
+        "calibration file (--calib-data)".into(),
+        format!("{}: sha256 {hash}", calib_path.display()),
+    ));
+    Ok(identity)
+}
+
+/// Every flag that changes the numbers or the layout, as the user spells it: the resume
+/// fingerprint's entries and the report's settings.
+fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
     let flags: [(&str, String); 33] = [
         ("--recipe", format!("{:?}", a.recipe)),
@@ -478,15 +615,10 @@ fn resume_identity(
         ("--skip-failed-samples", a.skip_failed_samples.to_string()),
         ("--threads", format!("{:?}", a.threads)),
     ];
-    let mut identity: Vec<(String, String)> = flags
+    flags
         .into_iter()
         .map(|(flag, value)| (flag.to_owned(), value))
-        .collect();
-    identity.push((
-        "calibration file (--calib-data)".into(),
-        format!("{}: sha256 {hash}", calib_path.display()),
-    ));
-    Ok(identity)
+        .collect()
 }
 
 /// Writes `text` and a newline to standard output and flushes it; the error names standard
@@ -625,7 +757,11 @@ impl Bars {
         let interactive = std::io::stderr().is_terminal();
         let bars = (!quiet && interactive).then(|| {
             let multi = MultiProgress::new();
-            let style = ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} {msg}")
+            // The ETA of each bar: of the run on the layers' bar, of the current stage on the
+            // steps' bar.
+            let style = ProgressStyle::with_template(
+                "{prefix:>10} [{bar:30}] {pos}/{len} {msg} (ETA {eta})",
+            )
                 .expect("static template")
                 .progress_chars("=> ");
             let layers = multi.add(
@@ -663,8 +799,9 @@ impl Progress for Bars {
                 Stage::Solve => "solve",
                 Stage::Propagate => "propagate",
             });
+            // A new stage starts its own clock: the ETA is the stage's.
+            s.reset();
             s.set_length(steps as u64);
-            s.set_position(0);
         }
     }
     fn step(&mut self) {

@@ -430,6 +430,7 @@ fn a_good_run_commits_a_verified_checkpoint_with_its_report() {
     assert_ok(&run);
     let out = env.out();
     assert!(out.join("quantization_report.json").is_file(), "{run:?}");
+    assert!(out.join("quantization_report.html").is_file(), "{run:?}");
     assert!(sala_export::verify(&out).unwrap().is_ok());
     assert_no_debris(&out);
 }
@@ -1541,7 +1542,8 @@ fn an_unknown_flag_is_a_usage_error() {
 // Class 7: resumable runs (--resume). A run killed right after layer k's state is on disk
 // (the SALA_QUANTIZE_KILL_AFTER_LAYER test hook: SIGKILL to itself, nothing cleaned up) and
 // resumed gives the same bytes in every file as an uninterrupted run; quantization_report.json
-// is compared without its wall-clock and memory fields (seconds per stage and linear, peaks).
+// is compared without its wall-clock and memory fields (seconds per stage and linear, peaks),
+// and quantization_report.html, rendered from it, only for being there.
 
 const KILL_AFTER: &str = "SALA_QUANTIZE_KILL_AFTER_LAYER";
 
@@ -1589,6 +1591,10 @@ fn assert_same_checkpoint(reference: &Path, resumed: &Path) {
                 report_without_timings(&b.0[name]),
                 "the reports differ"
             );
+        } else if name == Path::new("quantization_report.html") {
+            // The page shows the timings too; it is rendered from the JSON compared above
+            // (tests/report_html.rs checks that), so being there is what is checked here.
+            assert!(!bytes.is_empty() && !b.0[name].is_empty());
         } else {
             assert!(*bytes == b.0[name], "{} differs", name.display());
         }
