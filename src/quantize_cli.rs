@@ -762,8 +762,8 @@ impl Bars {
             let style = ProgressStyle::with_template(
                 "{prefix:>10} [{bar:30}] {pos}/{len} {msg} (ETA {eta})",
             )
-                .expect("static template")
-                .progress_chars("=> ");
+            .expect("static template")
+            .progress_chars("=> ");
             let layers = multi.add(
                 ProgressBar::new(0)
                     .with_style(style.clone())

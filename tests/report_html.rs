@@ -47,7 +47,10 @@ fn check_page(dir: &Path) {
     // Self-contained: no script, no stylesheet link, no image or font from elsewhere.
     for node in doc.descendants().filter(|n| n.is_element()) {
         let tag = node.tag_name().name();
-        assert!(!["script", "link", "img", "iframe"].contains(&tag), "<{tag}>");
+        assert!(
+            !["script", "link", "img", "iframe"].contains(&tag),
+            "<{tag}>"
+        );
         for a in node.attributes() {
             assert!(
                 !(a.value().contains("http://") || a.value().contains("https://"))
@@ -70,12 +73,7 @@ fn check_page(dir: &Path) {
         .filter(|n| n.tag_name().name() == "figure")
         .filter_map(|n| n.attribute("id"))
         .collect();
-    for id in [
-        "plot-errors",
-        "plot-ratio",
-        "plot-time",
-        "plot-memory",
-    ] {
+    for id in ["plot-errors", "plot-ratio", "plot-time", "plot-memory"] {
         assert!(figures.contains(&id), "{id} missing: {figures:?}");
     }
     assert_eq!(svgs.len(), figures.len());
@@ -178,7 +176,8 @@ fn render_report_names_a_missing_or_wrong_input() {
     // A good report with a bad evaluation file: refused, naming the evaluation file, and
     // nothing written.
     let out = dir.path().join("page.html");
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/report-examples/gptq-w4a16.json");
+    let example =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/report-examples/gptq-w4a16.json");
     let eval = dir.path().join("eval.json");
     std::fs::write(&eval, "[1, 2]").unwrap();
     let err = sala_quant::render_report(&example, Some(&eval), None, Some(&out))

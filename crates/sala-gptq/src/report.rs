@@ -321,10 +321,16 @@ impl fmt::Display for ReportSummary<'_> {
             "hidden states {:.1} MB {}; statistics on the {}; solver {}; peak RSS {}{}",
             r.hidden_state_bytes as f64 / 1e6,
             r.hidden_states_location,
-            if r.statistics_on_device { "device" } else { "host" },
+            if r.statistics_on_device {
+                "device"
+            } else {
+                "host"
+            },
             r.solver,
-            r.peak_rss_bytes
-                .map_or("unknown".to_owned(), |b| format!("{:.1} MB", b as f64 / 1e6)),
+            r.peak_rss_bytes.map_or("unknown".to_owned(), |b| format!(
+                "{:.1} MB",
+                b as f64 / 1e6
+            )),
             r.peak_device_memory
                 .map_or(String::new(), |m| format!("; {}", device_memory_text(m)))
         )?;

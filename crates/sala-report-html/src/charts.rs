@@ -129,7 +129,9 @@ struct Placed {
 fn place_linears(linears: &[LinearReport]) -> Placed {
     let mut per_layer: BTreeMap<usize, usize> = BTreeMap::new();
     for l in linears {
-        *per_layer.entry(l.layer().unwrap_or(usize::MAX)).or_default() += 1;
+        *per_layer
+            .entry(l.layer().unwrap_or(usize::MAX))
+            .or_default() += 1;
     }
     let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
     let mut kinds: Vec<String> = Vec::new();
@@ -267,7 +269,10 @@ fn ratio(linears: &[LinearReport], placed: &Placed) -> Result<Option<String>, Re
             .y_label_formatter(&|v| format!("{v:.2}"))
             .draw()?;
         chart.draw_series(LineSeries::new(
-            [(layer_span(placed.last).start, 1.0), (layer_span(placed.last).end, 1.0)],
+            [
+                (layer_span(placed.last).start, 1.0),
+                (layer_span(placed.last).end, 1.0),
+            ],
             BLACK.stroke_width(1),
         ))?;
         for (k, kind) in placed.kinds.iter().enumerate() {
@@ -439,12 +444,9 @@ fn retries(run: &RunReport) -> Result<Option<String>, ReportError> {
                 }
             })
             .draw()?;
-        for (k, (label, pick)) in [
-            ("damping retries", 0usize),
-            ("RTN fallbacks", 1usize),
-        ]
-        .into_iter()
-        .enumerate()
+        for (k, (label, pick)) in [("damping retries", 0usize), ("RTN fallbacks", 1usize)]
+            .into_iter()
+            .enumerate()
         {
             let c = colour(k + 3);
             let bars = per_layer.iter().map(|(&layer, &(r, f))| {
@@ -579,7 +581,9 @@ fn memory(run: &RunReport) -> Result<Option<String>, ReportError> {
             chart
                 .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))?
                 .label(*label)
-                .legend(move |(x, y)| PathElement::new([(x - 8, y), (x + 8, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new([(x - 8, y), (x + 8, y)], c.stroke_width(2))
+                });
             chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
         chart
@@ -654,7 +658,10 @@ fn eval_chart(eval: &EvalResults) -> Result<String, ReportError> {
             .draw()?;
         top1.draw_series(eval.buckets.iter().enumerate().map(|(i, b)| {
             Rectangle::new(
-                [(i as f64 - 0.3, floor), (i as f64 + 0.3, b.metrics.top1_agreement)],
+                [
+                    (i as f64 - 0.3, floor),
+                    (i as f64 + 0.3, b.metrics.top1_agreement),
+                ],
                 colour(2).filled(),
             )
         }))?;
@@ -670,10 +677,7 @@ fn drift_chart(drift: &DriftResults) -> Result<Option<String>, ReportError> {
         .flatten()
         .flat_map(|l| l.points.iter().map(|p| (p.tokens as f64, p.state_rel)));
     let (xs, ys): (Vec<f64>, Vec<f64>) = points.unzip();
-    let (Some(x), Some(y)) = (
-        log_range(xs.iter().copied()),
-        log_range(ys.iter().copied()),
-    ) else {
+    let (Some(x), Some(y)) = (log_range(xs.iter().copied()), log_range(ys.iter().copied())) else {
         return Ok(None);
     };
     svg("drift", |root| {

@@ -32,7 +32,9 @@ pub fn render(inputs: &Inputs) -> Result<String, ReportError> {
     let mut env = minijinja::Environment::new();
     // `.html` names turn on HTML escaping of every value not marked `safe` (only the SVGs are).
     env.add_template("report.html", TEMPLATE)?;
-    Ok(env.get_template("report.html")?.render(minijinja::value::Serde(&view))?)
+    Ok(env
+        .get_template("report.html")?
+        .render(minijinja::value::Serde(&view))?)
 }
 
 /// A key and its value, for the run's facts table.
@@ -180,7 +182,11 @@ impl View {
                 Some(m) => format!(
                     "{} ({}, {:.2} M parameters, {:.1} MB of safetensors)",
                     m.name,
-                    if m.model_type.is_empty() { "?" } else { &m.model_type },
+                    if m.model_type.is_empty() {
+                        "?"
+                    } else {
+                        &m.model_type
+                    },
                     m.parameters as f64 / 1e6,
                     m.bytes as f64 / 1e6
                 ),
@@ -206,18 +212,20 @@ impl View {
         facts.push(fact("wall time", format!("{:.1} s", run.seconds)));
         facts.push(fact(
             "peak host memory",
-            run.peak_rss_bytes
-                .map_or("unknown".into(), |b| format!("{:.3} GB (RSS)", b as f64 / GB)),
+            run.peak_rss_bytes.map_or("unknown".into(), |b| {
+                format!("{:.3} GB (RSS)", b as f64 / GB)
+            }),
         ));
         facts.push(fact(
             "peak device memory",
-            run.peak_device_memory.map_or("– (no device probe: a CPU run)".into(), |m| {
-                format!(
-                    "{:.3} GB in use, {:.3} GB reserved",
-                    m.in_use as f64 / GB,
-                    m.reserved as f64 / GB
-                )
-            }),
+            run.peak_device_memory
+                .map_or("– (no device probe: a CPU run)".into(), |m| {
+                    format!(
+                        "{:.3} GB in use, {:.3} GB reserved",
+                        m.in_use as f64 / GB,
+                        m.reserved as f64 / GB
+                    )
+                }),
         ));
         let mut size = format!("{:.2} MB of tensors written", run.output_bytes as f64 / 1e6);
         if let Some(m) = &q.model {
@@ -243,7 +251,11 @@ impl View {
             format!(
                 "{}; statistics on the {}",
                 run.solver,
-                if run.statistics_on_device { "device" } else { "host" }
+                if run.statistics_on_device {
+                    "device"
+                } else {
+                    "host"
+                }
             ),
         ));
         facts.push(fact("verifier", run.verify_summary.clone()));
@@ -309,7 +321,11 @@ impl View {
                     .peak_rss_bytes
                     .map_or("–".into(), |b| format!("{:.3}", b as f64 / GB)),
                 device: l.peak_device_memory.map_or("–".into(), |m| {
-                    format!("{:.3} / {:.3}", m.in_use as f64 / GB, m.reserved as f64 / GB)
+                    format!(
+                        "{:.3} / {:.3}",
+                        m.in_use as f64 / GB,
+                        m.reserved as f64 / GB
+                    )
                 }),
             })
             .collect();
@@ -334,7 +350,10 @@ impl View {
             rows
         });
         let eval_source = inputs.eval.as_ref().map_or(String::new(), |e| {
-            format!("{} against {} ({})", e.quantized, e.original, e.quantized_format)
+            format!(
+                "{} against {} ({})",
+                e.quantized, e.original, e.quantized_format
+            )
         });
         let drift = inputs.drift.as_ref().map(|d| {
             d.iter()
@@ -373,11 +392,7 @@ impl View {
             eval_source,
             drift,
             baseline,
-            settings: q
-                .settings
-                .iter()
-                .map(|(k, v)| fact(k, v.clone()))
-                .collect(),
+            settings: q.settings.iter().map(|(k, v)| fact(k, v.clone())).collect(),
             generator: format!("sala-report-html {}", env!("CARGO_PKG_VERSION")),
         })
     }

@@ -165,7 +165,9 @@ fn bad_inputs_are_errors_that_name_the_file() {
     let dir = std::env::temp_dir().join(format!("sala-report-html-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let missing = dir.join("missing.json");
-    let err = QuantizationReport::from_file(&missing).unwrap_err().to_string();
+    let err = QuantizationReport::from_file(&missing)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("missing.json"), "{err}");
     let eval = dir.join("eval.json");
     std::fs::write(&eval, r#"{"buckets": 3}"#).unwrap();
@@ -174,6 +176,9 @@ fn bad_inputs_are_errors_that_name_the_file() {
     let drift = dir.join("drift.json");
     std::fs::write(&drift, r#"{"diverse": []}"#).unwrap();
     let err = drift_from_file(&drift).unwrap_err().to_string();
-    assert!(err.contains("drift.json") && err.contains("drift --json"), "{err}");
+    assert!(
+        err.contains("drift.json") && err.contains("drift --json"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
