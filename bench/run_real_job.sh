@@ -9,7 +9,7 @@
 # 2. BIN_DIR/quantize_sala --device cuda quantizes it with CALIB.jsonl (96 samples truncated
 #    to 4096 tokens by default: --max-samples 96 --max-len 4096) into $QUANTIZED (default
 #    /tmp/sala-full-size-gptq, replaced), GPTQ W4A16 with SmoothQuant unless options say
-#    otherwise; its log and report (quantization_report.json) go to OUT_DIR;
+#    otherwise; its log and reports (quantization_report.json, .html) go to OUT_DIR;
 # 3. BIN_DIR/verify_checkpoint checks the output.
 # Binaries are built with `cargo build --release --features cuda --example ...`. The kernel
 # caches live under target/ of the working directory (target/sala-kernels/<fingerprint>,
@@ -62,6 +62,7 @@ timed quantize "${QUANTIZE_TIMEOUT:-560}" "$BIN/quantize_sala" --device cuda \
     --input "$MODEL" --output "$QUANTIZED" --calib-data "$CALIB" \
     --max-samples 96 --max-len 4096 "$@"
 [ -f "$QUANTIZED/quantization_report.json" ] && cp "$QUANTIZED/quantization_report.json" "$OUT/"
+[ -f "$QUANTIZED/quantization_report.html" ] && cp "$QUANTIZED/quantization_report.html" "$OUT/"
 if [ -d "$QUANTIZED" ]; then
     timed verify "${VERIFY_TIMEOUT:-240}" "$BIN/verify_checkpoint" "$QUANTIZED"
 fi
