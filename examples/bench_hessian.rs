@@ -3,7 +3,7 @@
 //! error, the NVFP4 block-scale search (120 candidates), and the GPTQ "floor" (one in×in
 //! Cholesky plus one out×in×in product on faer) next to the solve.
 //!
-//! `cargo run --release --example bench_hessian [-- --quick] [-- --f64]`
+//! `cargo run --release --example bench_hessian [-- --quick] [-- --f64 [--f32-products]]`
 
 use std::time::Instant;
 
@@ -30,6 +30,10 @@ struct Args {
     /// Keep the Hessian and its factorization in f64 (default f32).
     #[arg(long)]
     f64: bool,
+    /// With --f64: multiply each 512-token chunk in f32 and sum the chunks in f64 (the
+    /// pipeline's host statistics).
+    #[arg(long, requires = "f64")]
+    f32_products: bool,
 }
 
 /// (name, out_features, in_features) of the SALA linears.
@@ -97,9 +101,13 @@ fn bench_shape<T: HessianScalar>(
     out: usize,
     inp: usize,
     tokens: usize,
+    f32_products: bool,
 ) -> serde_json::Value {
     let x = matrix(1, tokens * inp, 1.0);
     let mut acc = HessianAccumulator::<T>::new(inp, Normalization::PerSample).expect("dim > 0");
+    if f32_products {
+        acc = acc.with_f32_products();
+    }
     let ((), accumulate_s) = seconds(|| acc.add_sample(&x, tokens).expect("finite batch"));
     drop(x);
     let h = acc.finalize().expect("one sample");
@@ -159,7 +167,11 @@ fn main() {
     println!(
         "threads: {}, hessian precision: {}",
         rayon::current_num_threads(),
-        if args.f64 { "f64" } else { "f32" }
+        match (args.f64, args.f32_products) {
+            (true, true) => "f64 (f32 chunk products)",
+            (true, false) => "f64",
+            _ => "f32",
+        }
     );
     println!(
         "| shape | tokens | H accumulate s | GFLOP/s (t·n(n+1)) | Cholesky s | damped inverse s | GPTQ solve s | \
@@ -171,9 +183,9 @@ fn main() {
         .map(|&(name, out, inp)| {
             let (out, inp) = (out / div, inp / div);
             if args.f64 {
-                bench_shape::<f64>(name, out, inp, tokens)
+                bench_shape::<f64>(name, out, inp, tokens, args.f32_products)
             } else {
-                bench_shape::<f32>(name, out, inp, tokens)
+                bench_shape::<f32>(name, out, inp, tokens, false)
             }
         })
         .collect();

@@ -1,9 +1,11 @@
-//! Writes the bundled tiny models `fixtures/tiny-sala/` and `fixtures/tiny-llama/`:
-//! a BPE tokenizer trained on `fixtures/text/train.txt`, seeded-random bf16 weights,
-//! `config.json`, `generation_config.json` and the tokenizer files.
+//! Writes the bundled tiny models `fixtures/tiny-sala/`, `fixtures/tiny-llama/` and
+//! `fixtures/tiny-smollm/`: a BPE tokenizer trained on `fixtures/text/train.txt`, seeded-random
+//! weights (bf16; f16 for tiny-smollm), `config.json`, `generation_config.json` and the
+//! tokenizer files.
 //!
 //! ```text
-//! cargo run --release --example make_fixture            # rewrites fixtures/tiny-{sala,llama}
+//! cargo run --release --example make_fixture            # rewrites fixtures/tiny-{sala,llama,smollm}
+//! cargo run --release --example make_fixture -- --only tiny-smollm
 //! cargo run --release --example make_fixture -- --out /tmp/fx
 //! cargo run --release --example make_fixture -- --full-size DIR [--seed N] [--config PATH]
 //! ```
@@ -17,6 +19,11 @@
 //! sparse as in the released model, lightning elsewhere), 4 query heads × 64 with 2 KV heads
 //! (k/v out = 128), lightning 4 heads × 64 (a power of two, as the decay slopes require),
 //! intermediate 512, vocabulary 2048. Every linear has `in % 128 == 0` and `out % 64 == 0`.
+//! Tiny Llama: the same widths, 4 layers, tied embeddings.
+//! Tiny SmolLM: a Llama shaped like SmolLM2-135M where `gptq_marlin` refuses it: hidden 192 and
+//! intermediate 320 are not multiples of 128 (every input ends in a partial group of 128),
+//! 3 query heads and 1 KV head of 64, 2 layers, tied embeddings, f16 weights and a
+//! transformers-5 config (`dtype`, `rope_parameters`).
 //! Norm weights have four outlier channels (gain 10) so that SmoothQuant has something to do.
 //! Output goes to a temporary directory next to the target, then is renamed into place.
 
@@ -54,6 +61,9 @@ struct Args {
     /// Fixtures directory (must contain text/train.txt); defaults to the repository's fixtures/.
     #[arg(long, conflicts_with = "full_size")]
     out: Option<PathBuf>,
+    /// Write only this fixture (tiny-sala, tiny-llama or tiny-smollm).
+    #[arg(long, conflicts_with = "full_size")]
+    only: Option<String>,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 8)]
     seed: u64,
@@ -83,22 +93,24 @@ fn main() -> Result<(), AnyError> {
         return Ok(());
     }
     let fixtures = args.out.unwrap_or_else(sala_quant::fixtures_dir);
+    let models = [
+        ("tiny-sala", sala_config(), args.seed),
+        ("tiny-llama", llama_config(), args.seed + 1),
+        ("tiny-smollm", smollm_config(), args.seed + 2),
+    ];
+    if let Some(only) = &args.only {
+        if !models.iter().any(|(name, ..)| name == only) {
+            eprintln!("make_fixture: --only {only:?} names no fixture (tiny-sala, tiny-llama, tiny-smollm)");
+            std::process::exit(2);
+        }
+    }
     let train = fixtures.join("text").join("train.txt");
     let tokenizer = train_tokenizer(&train, VOCAB)?;
-    write_model(
-        &fixtures,
-        "tiny-sala",
-        &sala_config(),
-        &tokenizer,
-        args.seed,
-    )?;
-    write_model(
-        &fixtures,
-        "tiny-llama",
-        &llama_config(),
-        &tokenizer,
-        args.seed + 1,
-    )?;
+    for (name, config, seed) in &models {
+        if args.only.as_deref().is_none_or(|only| only == *name) {
+            write_model(&fixtures, name, config, &tokenizer, *seed)?;
+        }
+    }
     Ok(())
 }
 
@@ -196,6 +208,36 @@ fn llama_config() -> Value {
     })
 }
 
+/// SmolLM2-135M's shape problems at a tiny size (see the module docs).
+fn smollm_config() -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "dtype": "float16",
+        "transformers_version": "5.0.0",
+        "vocab_size": VOCAB,
+        "hidden_size": 192,
+        "intermediate_size": 320,
+        "num_hidden_layers": 2,
+        "hidden_act": "silu",
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": true,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": true
+    })
+}
+
 /// Draws the values of one tensor. Scales keep activations near unit RMS: linears get
 /// std `1/sqrt(in)`, norms `1 ± 0.1` (times the outlier gain on a few channels), the
 /// embedding `1/scale_emb`, `lm_head` so that logits have a spread of about 2.
@@ -213,7 +255,8 @@ fn init_tensor(spec: &TensorSpec, config: &SalaConfig) -> Vec<f32> {
     if name.ends_with("norm.weight") {
         let mut w: Vec<f32> = normal(0.1).into_iter().map(|x| 1.0 + x).collect();
         if name.ends_with("layernorm.weight") {
-            for c in OUTLIER_CHANNELS {
+            let channels = w.len();
+            for c in OUTLIER_CHANNELS.into_iter().filter(|&c| c < channels) {
                 w[c] *= OUTLIER_GAIN;
             }
         }
@@ -227,11 +270,26 @@ fn init_tensor(spec: &TensorSpec, config: &SalaConfig) -> Vec<f32> {
     }
 }
 
-fn bf16_bytes(values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-        .collect()
+/// The storage dtype a config names (`dtype`, or transformers 4's `torch_dtype`): f16 or bf16.
+fn storage_dtype(config: &Value) -> Dtype {
+    let name = config.get("dtype").or_else(|| config.get("torch_dtype"));
+    match name.and_then(Value::as_str) {
+        Some("float16") => Dtype::F16,
+        _ => Dtype::BF16,
+    }
+}
+
+fn half_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+    }
 }
 
 fn write_model(
@@ -249,14 +307,18 @@ fn write_model(
     for layer in 0..config.num_layers() {
         specs.extend(config.layer_tensor_specs(layer));
     }
+    let dtype = storage_dtype(config_json);
     let mut bytes = BTreeMap::new();
     for spec in &specs {
-        bytes.insert(spec.name.clone(), bf16_bytes(&init_tensor(spec, &config)));
+        bytes.insert(
+            spec.name.clone(),
+            half_bytes(&init_tensor(spec, &config), dtype),
+        );
     }
     let views = specs
         .iter()
         .map(|spec| {
-            let view = TensorView::new(Dtype::BF16, spec.shape.clone(), &bytes[&spec.name])?;
+            let view = TensorView::new(dtype, spec.shape.clone(), &bytes[&spec.name])?;
             Ok((spec.name.clone(), view))
         })
         .collect::<Result<BTreeMap<_, _>, safetensors::SafeTensorError>>()?;

@@ -8,8 +8,9 @@ use clap::{Parser, ValueEnum};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use regex::Regex;
 use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
-use sala_gptq::hessian::{IntScheme, Nvfp4BlockSearch};
+use sala_gptq::hessian::{ClipSearch, IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
+use sala_gptq::plan::LoaderTarget;
 use sala_gptq::{
     LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
     QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage, StagedRun,
@@ -38,7 +39,8 @@ pub struct Args {
     /// bf16 (useful per layer: --layer-bits).
     #[arg(long, default_value_t = 4)]
     bits: u32,
-    /// Input columns per GPTQ group (32, 64 or 128).
+    /// Input columns per GPTQ group (gptq_marlin: 32, 64 or 128; --target gptq: any; the last
+    /// group may then be partial).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
     /// Bits for minicpm4 (sparse-attention) layers.
@@ -60,6 +62,12 @@ pub struct Args {
     /// NVFP4 coverage: minicpm4 attention bf16 (original default), all linears, or MLP only.
     #[arg(long, value_enum, default_value_t = CoverageArg::Minicpm4Bf16)]
     nvfp4_coverage: CoverageArg,
+    /// GPTQ: the loaders the checkpoint must load in; only their shape rules apply. marlin:
+    /// vLLM / SGLang gptq_marlin (out % 64, in % 128, whole groups of 32, 64 or 128); gptq:
+    /// transformers + GPTQModel's torch kernel (any shape whose int32 words pack, a partial last
+    /// group allowed). The plan says which loaders will take the result.
+    #[arg(long, value_enum, default_value_t = TargetArg::Marlin)]
+    target: TargetArg,
     /// Calibration JSONL (`question`, `text` or `messages` per line). Default: the bundled set.
     #[arg(long)]
     calib_data: Option<PathBuf>,
@@ -104,6 +112,17 @@ pub struct Args {
     /// Plain round-to-nearest instead of the GPTQ solver (a baseline for comparisons).
     #[arg(long)]
     rtn: bool,
+    /// GPTQ: search each group's range for the least diag(H)-weighted error |w − q|^norm
+    /// before the solve (GPTQModel's `mse`): shrink factors 1 − i/100 down to
+    /// 1 − --clip-max-shrink. Runs the host column loop.
+    #[arg(long)]
+    clip_search: bool,
+    /// GPTQ clipping search: the largest shrink of a group's range.
+    #[arg(long, default_value_t = 0.8)]
+    clip_max_shrink: f32,
+    /// GPTQ clipping search: the error exponent.
+    #[arg(long, default_value_t = 2.4)]
+    clip_norm: f32,
     /// NVFP4 block-scale search iterations (1 = plain max calibration).
     #[arg(long, default_value_t = 120)]
     mse_iters: usize,
@@ -184,6 +203,13 @@ pub struct Args {
 pub enum RecipeArg {
     Gptq,
     Nvfp4,
+}
+
+/// `--target`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TargetArg {
+    Marlin,
+    Gptq,
 }
 
 /// `--nvfp4-coverage`.
@@ -463,6 +489,10 @@ fn plan_json(
         .collect();
     if let Some(map) = value.as_object_mut() {
         map.insert("layer_kinds".into(), serde_json::json!(kinds));
+        map.insert(
+            "loaders".into(),
+            serde_json::to_value(plan.loader_verdicts())?,
+        );
     }
     Ok(value)
 }
@@ -486,6 +516,9 @@ fn plan_summary(
         plan.quantized().count(),
         plan.linears.len()
     );
+    for verdict in plan.loader_verdicts() {
+        out += &format!("\n  loads in {verdict}");
+    }
     Ok(out)
 }
 
@@ -580,7 +613,7 @@ fn resume_identity(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 33] = [
+    let flags: [(&str, String); 37] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -590,6 +623,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--exclude", format!("{:?}", a.exclude)),
         ("--quantize-lm-head", a.quantize_lm_head.to_string()),
         ("--nvfp4-coverage", format!("{:?}", a.nvfp4_coverage)),
+        ("--target", format!("{:?}", a.target)),
         ("--max-samples", format!("{:?}", a.max_samples)),
         ("--max-len", format!("{:?}", a.max_len)),
         ("--skip-malformed", a.skip_malformed.to_string()),
@@ -602,6 +636,9 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--static-groups", a.static_groups.to_string()),
         ("--rtn-fallback", a.rtn_fallback.to_string()),
         ("--rtn", a.rtn.to_string()),
+        ("--clip-search", a.clip_search.to_string()),
+        ("--clip-max-shrink", a.clip_max_shrink.to_string()),
+        ("--clip-norm", a.clip_norm.to_string()),
         ("--mse-iters", a.mse_iters.to_string()),
         ("--mse-max-shrink", a.mse_max_shrink.to_string()),
         ("--mse-error-norm", a.mse_error_norm.to_string()),
@@ -698,6 +735,10 @@ fn options_from(
         CoverageArg::All => Nvfp4Coverage::All,
         CoverageArg::MlpOnly => Nvfp4Coverage::MlpOnly,
     };
+    plan.target = match args.target {
+        TargetArg::Marlin => LoaderTarget::Marlin,
+        TargetArg::Gptq => LoaderTarget::Gptq,
+    };
     options.gptq.scheme = match (args.no_sym, args.grid) {
         (true, _) => IntScheme::Asymmetric,
         (false, GridArg::Ist) => IntScheme::SymmetricIst,
@@ -708,6 +749,13 @@ fn options_from(
     options.gptq.static_groups = args.static_groups;
     options.gptq.rtn_fallback = args.rtn_fallback;
     options.gptq.rtn = args.rtn;
+    options.gptq.clip = match args.clip_search {
+        false => None,
+        true => Some(
+            ClipSearch::new(100, args.clip_max_shrink, args.clip_norm)
+                .map_err(|e| format!("--clip-max-shrink / --clip-norm: {e}"))?,
+        ),
+    };
     options.nvfp4_search = Nvfp4BlockSearch {
         iters: args.mse_iters,
         max_shrink: args.mse_max_shrink,

@@ -196,8 +196,10 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 value: value as f64,
             });
         }
-        if config.static_groups && config.grid.group_size.is_some() {
-            // Static groups keep the host loop: the Hessian comes to the host.
+        if (config.static_groups && config.grid.group_size.is_some()) || config.grid.clip.is_some()
+        {
+            // Static groups and the clipping search keep the host loop: the Hessian comes to
+            // the host.
             let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
             return gptq.solve_with_loop(weights, out, inp, &host, self);
         }
@@ -380,7 +382,9 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
         problem: &ColumnProblem<'_>,
         w: &mut [f32],
     ) -> Result<ColumnSolution, HessianError> {
-        if problem.static_groups.is_some() {
+        // The kernel computes min/max group parameters itself: static groups and the clipping
+        // search run the host loop.
+        if problem.static_groups.is_some() || problem.clip.is_some() {
             return BlockedLoop.run(problem, w);
         }
         let (out, inp) = (problem.out, problem.inp);

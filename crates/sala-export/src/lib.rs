@@ -16,7 +16,9 @@
 //!   `exclude_modules`).
 //! - [`Checkpoint`] reads an exported directory back: packed linears and dequantized f32 weights.
 //! - [`verify`] checks a directory against the loaders' rules and lists every violation by
-//!   tensor name ([`VerifyReport`]).
+//!   tensor name ([`VerifyReport`]); [`verify_for`] applies another [`loaders::LoaderTarget`]'s
+//!   shape rules (GPTQ for the torch kernels: a partial last group allowed) and the report says
+//!   which [`loaders::GptqLoader`]s accept the checkpoint.
 //! - [`compare`] sets two checkpoints of one model side by side, linear by linear (codes,
 //!   scales, dequantized weights): a GPU-solved run against a host-solved one.
 //!
@@ -28,6 +30,7 @@ pub mod config;
 mod error;
 mod interrupt;
 pub mod layout;
+pub mod loaders;
 pub mod modules;
 mod reader;
 mod shards;
@@ -50,7 +53,7 @@ pub use staging::{
 };
 pub use tensor::{byte_len, decode_f32, encode_f32, Tensor};
 pub use verify::{
-    marlin_supports, verify, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,
+    verify, verify_for, Rule, Summary, VerifyReport, Violation, MARLIN_MIN_IN, MARLIN_MIN_OUT,
 };
 pub use writer::{
     CheckpointWriter, LinearFormat, StagedCheckpoint, WriterOptions, WriterState,

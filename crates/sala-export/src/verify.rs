@@ -3,11 +3,11 @@
 //!
 //! | rule | what it checks |
 //! |---|---|
-//! | `config` | the keys SGLang / vLLM require: GPTQ `bits, group_size, desc_act, sym`, `quant_method: "gptq"`, never `checkpoint_format: "marlin"`, a `(bits, sym)` Marlin supports, `quantize_config.json` identical; NVFP4 `quant_method: "modelopt…"`, `quant_algo: "NVFP4"`, `group_size: 16`, both `ignore` and `exclude_modules` (equal), `hf_quant_config.json` with a non-null `exclude_modules` |
+//! | `config` | the keys SGLang / vLLM require: GPTQ `bits, group_size, desc_act, sym`, `quant_method: "gptq"`, never `checkpoint_format: "marlin"`, a `(bits, sym)` the target's loaders serve, `quantize_config.json` identical; NVFP4 `quant_method: "modelopt…"`, `quant_algo: "NVFP4"`, `group_size: 16`, both `ignore` and `exclude_modules` (equal), `hf_quant_config.json` with a non-null `exclude_modules` |
 //! | `index` | index ↔ shards: every file present, every tensor where the index says and nowhere else, `total_size` |
 //! | `tensor-layout` | each quantized linear has all its tensors with the dtype and shape of its format and config |
-//! | `marlin-shape` | GPTQ: `out % 64`, `in % 128`, `in % group_size` |
-//! | `group-size` | GPTQ group size in {-1, 32, 64, 128} (base and overrides) |
+//! | `loader-shape` | GPTQ: the shape rules of the target's loaders (`gptq_marlin`: `out % 64`, `in % 128`, `in % group_size`; see [`crate::loaders`]) |
+//! | `group-size` | GPTQ group size the target's loaders accept (`gptq_marlin`: −1, 32, 64, 128; base and overrides) |
 //! | `fused-precision` | q/k/v and gate/up all quantized or all not, with one bit width |
 //! | `fused-scales` | NVFP4 q/k/v and gate/up share `weight_scale_2` and `input_scale` |
 //! | `finite-scales` | no NaN / Inf scales, global scales positive |
@@ -29,23 +29,18 @@ use serde_json::Value;
 
 use crate::config::{
     read_json, DynamicRules, Exclusions, GptqConfig, ModulePrecision, Nvfp4Config,
-    HF_QUANT_CONFIG_FILE, MARLIN_GROUP_SIZES, NVFP4_GROUP_SIZE, QUANTIZE_CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE, NVFP4_GROUP_SIZE, QUANTIZE_CONFIG_FILE,
 };
 use crate::layout::{
     tensor_name, GPTQ_G_IDX, GPTQ_QWEIGHT, GPTQ_QZEROS, GPTQ_SCALES, NVFP4_INPUT_SCALE,
     NVFP4_WEIGHT, NVFP4_WEIGHT_SCALE, NVFP4_WEIGHT_SCALE_2,
 };
+use crate::loaders::{GptqLoader, LoaderTarget, LoaderVerdict};
 use crate::modules::{decoder_linear, fused_member, FusedKind};
 use crate::reader::{gptq_bits, Checkpoint, CheckpointFormat};
 use crate::tensor::byte_len;
 use crate::writer::LinearFormat;
 use crate::ExportError;
-
-/// Whether `gptq_marlin` serves GPTQ weights of `bits` bits on a symmetric (`sym`) or
-/// asymmetric grid: (4, true) and (8, true) only.
-pub fn marlin_supports(bits: u32, sym: bool) -> bool {
-    matches!((bits, sym), (4, true) | (8, true))
-}
 
 /// `gptq_marlin`'s minimum output tile (`GPTQ_MARLIN_MIN_THREAD_N`).
 pub const MARLIN_MIN_OUT: usize = 64;
@@ -61,8 +56,8 @@ pub enum Rule {
     Index,
     /// Dtype and shape of each quantized linear's tensors.
     TensorLayout,
-    /// Marlin shape gates.
-    MarlinShape,
+    /// The shape gates of the target's loaders (`gptq_marlin`'s by default).
+    LoaderShape,
     /// Supported group sizes.
     GroupSize,
     /// Fused shards all or none quantized, same precision.
@@ -90,7 +85,7 @@ impl Rule {
             Rule::Config => "config",
             Rule::Index => "index",
             Rule::TensorLayout => "tensor-layout",
-            Rule::MarlinShape => "marlin-shape",
+            Rule::LoaderShape => "loader-shape",
             Rule::GroupSize => "group-size",
             Rule::FusedPrecision => "fused-precision",
             Rule::FusedScales => "fused-scales",
@@ -199,6 +194,11 @@ pub struct VerifyReport {
     pub violations: Vec<Violation>,
     /// Sizes.
     pub summary: Summary,
+    /// The loaders the checkpoint had to satisfy (GPTQ; `gptq_marlin` unless
+    /// [`verify_for`] named another target).
+    pub target: LoaderTarget,
+    /// GPTQ: whether each known loader accepts the checkpoint, and why not (empty otherwise).
+    pub loaders: Vec<LoaderVerdict>,
 }
 
 impl VerifyReport {
@@ -233,15 +233,32 @@ impl fmt::Display for VerifyReport {
     }
 }
 
-/// Checks the checkpoint in `dir` against every rule; fails only if `dir` is not a directory.
+/// Checks the checkpoint in `dir` against every rule, for `gptq_marlin` (the default target);
+/// fails only if `dir` is not a directory.
 pub fn verify(dir: impl AsRef<Path>) -> Result<VerifyReport, ExportError> {
+    verify_for(dir, LoaderTarget::Marlin)
+}
+
+/// Checks the checkpoint in `dir` against every rule, with the loader rules of `target` only
+/// (GPTQ); the report also says which other loaders would accept it. Fails only if `dir` is not
+/// a directory.
+pub fn verify_for(
+    dir: impl AsRef<Path>,
+    target: LoaderTarget,
+) -> Result<VerifyReport, ExportError> {
     let dir = dir.as_ref();
     let (checkpoint, mut violations) = Checkpoint::open_lenient(dir)?;
     let mut v = Verifier {
         ck: &checkpoint,
         out: Vec::new(),
+        target,
+        loaders: BTreeMap::new(),
     };
     v.check(dir);
+    let loaders = std::mem::take(&mut v.loaders)
+        .into_iter()
+        .map(|(loader, refusals)| LoaderVerdict { loader, refusals })
+        .collect();
     violations.append(&mut v.out);
     violations.sort_by(|a, b| (a.rule, &a.name).cmp(&(b.rule, &b.name)));
     violations.dedup();
@@ -250,12 +267,17 @@ pub fn verify(dir: impl AsRef<Path>) -> Result<VerifyReport, ExportError> {
         format: checkpoint.format().name(),
         violations,
         summary: summarize(&checkpoint),
+        target,
+        loaders,
     })
 }
 
 struct Verifier<'a> {
     ck: &'a Checkpoint,
     out: Vec<Violation>,
+    target: LoaderTarget,
+    /// GPTQ: every loader's refusals (`"name: rule"`), whether or not the target requires it.
+    loaders: BTreeMap<GptqLoader, Vec<String>>,
 }
 
 /// How a linear is stored, for the fused-group and exclusion rules.
@@ -310,6 +332,10 @@ impl Verifier<'_> {
     // ---------------------------------------------------------------- GPTQ
 
     fn check_gptq(&mut self, dir: &Path, config: &GptqConfig, linears: &[(String, LinearFormat)]) {
+        // Every loader gets a verdict, accepted ones too.
+        for loader in GptqLoader::ALL {
+            self.loaders.entry(loader).or_default();
+        }
         self.check_gptq_config(dir, config);
         let rules = match config.rules() {
             Ok(rules) => Some(rules),
@@ -352,12 +378,15 @@ impl Verifier<'_> {
                 "checkpoint_format \"marlin\" means pre-repacked weights; ours are AutoGPTQ v1";
             self.push(Rule::Config, "quantization_config", detail);
         }
-        if !marlin_supports(config.bits, config.sym) {
-            let detail = format!(
-                "gptq_marlin supports (bits, sym) = (4, true) or (8, true), got ({}, {})",
-                config.bits, config.sym
-            );
-            self.push(Rule::Config, "quantization_config", detail);
+        for loader in GptqLoader::ALL {
+            if let Some(broken) = loader.bits_violation(config.bits, config.sym) {
+                let refusal = format!("quantization_config: {broken}");
+                self.loaders.entry(loader).or_default().push(refusal);
+                if self.target.required().contains(&loader) {
+                    let detail = format!("{loader}: {broken}");
+                    self.push(Rule::Config, "quantization_config", detail);
+                }
+            }
         }
         self.check_group_size("quantization_config", config.group_size);
         for (key, over) in &config.dynamic {
@@ -378,9 +407,15 @@ impl Verifier<'_> {
     }
 
     fn check_group_size(&mut self, name: &str, group_size: i64) {
-        if !MARLIN_GROUP_SIZES.contains(&group_size) {
-            let detail = format!("group_size {group_size} is not one of {MARLIN_GROUP_SIZES:?}");
-            self.push(Rule::GroupSize, name, detail);
+        for loader in GptqLoader::ALL {
+            let required = self.target.required().contains(&loader);
+            if let Some(detail) = loader.group_violation(group_size) {
+                let refusal = format!("{name}: {detail}");
+                self.loaders.entry(loader).or_default().push(refusal);
+                if required {
+                    self.push(Rule::GroupSize, name, format!("{loader}: {detail}"));
+                }
+            }
         }
     }
 
@@ -473,7 +508,7 @@ impl Verifier<'_> {
                 &qzeros,
                 &[groups, out / per],
             );
-        self.check_marlin_shape(module, out, inp, group_size);
+        self.check_loader_shapes(module, out, inp, bits, group_size);
         if scales_ok {
             self.check_gptq_scales(module);
         }
@@ -483,19 +518,26 @@ impl Verifier<'_> {
         }
     }
 
-    fn check_marlin_shape(&mut self, module: &str, out: usize, inp: usize, group_size: i64) {
-        let mut broken = Vec::new();
-        if out % MARLIN_MIN_OUT != 0 {
-            broken.push(format!("out {out} % {MARLIN_MIN_OUT} != 0"));
-        }
-        if inp % MARLIN_MIN_IN != 0 {
-            broken.push(format!("in {inp} % {MARLIN_MIN_IN} != 0"));
-        }
-        if group_size > 0 && inp % group_size as usize != 0 {
-            broken.push(format!("in {inp} % group_size {group_size} != 0"));
-        }
-        if !broken.is_empty() {
-            self.push(Rule::MarlinShape, module, broken.join(", "));
+    fn check_loader_shapes(
+        &mut self,
+        module: &str,
+        out: usize,
+        inp: usize,
+        bits: u32,
+        group_size: i64,
+    ) {
+        let group = usize::try_from(group_size).ok().filter(|&g| g > 0);
+        for loader in GptqLoader::ALL {
+            let broken = loader.linear_violations(out, inp, bits, group);
+            if broken.is_empty() {
+                continue;
+            }
+            let refusals = self.loaders.entry(loader).or_default();
+            refusals.push(format!("{module}: {}", broken.join(", ")));
+            if self.target.required().contains(&loader) {
+                let detail = format!("{loader}: {}", broken.join(", "));
+                self.push(Rule::LoaderShape, module, detail);
+            }
         }
     }
 

@@ -431,9 +431,17 @@ impl StagedCheckpoint {
         &self.written
     }
 
-    /// Runs the verifier on the staged files.
+    /// Runs the verifier on the staged files (GPTQ: for `gptq_marlin`).
     pub fn verify(&self) -> Result<crate::VerifyReport, ExportError> {
         crate::verify(self.staged.path())
+    }
+
+    /// Runs the verifier on the staged files with the shape rules of `target`'s loaders.
+    pub fn verify_for(
+        &self,
+        target: crate::loaders::LoaderTarget,
+    ) -> Result<crate::VerifyReport, ExportError> {
+        crate::verify_for(self.staged.path(), target)
     }
 
     /// Writes one more file (e.g. a run report) into the checkpoint; `name` must be a plain file

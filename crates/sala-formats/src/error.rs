@@ -46,6 +46,16 @@ pub enum FormatError {
     /// A group size that is zero.
     #[error("group size must be positive")]
     ZeroGroupSize,
+    /// Clipping-search settings out of range.
+    #[error("clipping search: grid {grid} must be at least 1, max_shrink {max_shrink} in (0, 1), norm {norm} positive and finite")]
+    InvalidClipSearch {
+        /// Candidates per unit shrink.
+        grid: u32,
+        /// Largest shrink.
+        max_shrink: f32,
+        /// Error exponent.
+        norm: f32,
+    },
     /// A NaN or infinite value inside a block that is being quantized.
     #[error("non-finite value {value} at row {row}, column {col}")]
     NonFinite {

@@ -120,14 +120,7 @@ impl IntQuantizer {
 
     /// Scale and zero for a group of values (min/max over the slice).
     pub fn params_for(&self, values: &[f32]) -> QuantParams {
-        let (min, max) = values
-            .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
-        if values.is_empty() {
-            return self.params_from_range(0.0, 0.0);
-        }
+        let (min, max) = min_max(values);
         self.params_from_range(min, max)
     }
 
@@ -149,6 +142,106 @@ impl IntQuantizer {
     pub fn fake_quantize(&self, x: f32, p: QuantParams) -> f32 {
         Self::dequantize(self.quantize(x, p), p)
     }
+}
+
+/// A clipping search for a group's range (GPTQModel's `mse`, llm-compressor's MSE observer):
+/// the group's `[min, max]` is shrunk to `p · [min, max]` for `p = 1 − i/grid`,
+/// `i = 0 … ⌊max_shrink · grid⌋ − 1` (the first candidate is the plain range), and the
+/// candidate with the least `Σₖ weightₖ · |wₖ − q(wₖ)|^norm` wins (ties keep the wider range).
+/// Weights are per column (GPTQ passes `diag(H)`, so an error counts as much as its input's
+/// energy); without them every column weighs 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClipSearch {
+    grid: u32,
+    max_shrink: f32,
+    norm: f32,
+}
+
+/// Only [`ClipSearch::new`] builds one, and it refuses NaN: equality is total.
+impl Eq for ClipSearch {}
+
+impl ClipSearch {
+    /// GPTQModel's defaults: grid 100, shrink up to 80 %, norm 2.4.
+    pub const GPTQMODEL: ClipSearch = ClipSearch {
+        grid: 100,
+        max_shrink: 0.8,
+        norm: 2.4,
+    };
+
+    /// A search over `⌊max_shrink · grid⌋` candidates (`grid ≥ 1`, `0 < max_shrink < 1`,
+    /// `norm > 0`, all finite).
+    pub fn new(grid: u32, max_shrink: f32, norm: f32) -> Result<Self, FormatError> {
+        let valid =
+            grid >= 1 && max_shrink > 0.0 && max_shrink < 1.0 && norm > 0.0 && norm.is_finite();
+        if !valid {
+            return Err(FormatError::InvalidClipSearch {
+                grid,
+                max_shrink,
+                norm,
+            });
+        }
+        Ok(Self {
+            grid,
+            max_shrink,
+            norm,
+        })
+    }
+
+    /// Candidate ranges tried.
+    pub fn candidates(&self) -> usize {
+        ((self.max_shrink * self.grid as f32).floor() as usize).max(1)
+    }
+
+    /// The error exponent.
+    pub fn norm(&self) -> f32 {
+        self.norm
+    }
+
+    /// The best parameters of `quantizer` for `values`, each column weighted by `weights`
+    /// (same length as `values`) when given.
+    pub fn params(
+        &self,
+        quantizer: &IntQuantizer,
+        values: &[f32],
+        weights: Option<&[f32]>,
+    ) -> QuantParams {
+        let (min, max) = min_max(values);
+        let error = |p: QuantParams| -> f64 {
+            let column = |k: usize, &w: &f32| {
+                let diff = (w - quantizer.fake_quantize(w, p)).abs() as f64;
+                let scaled = if self.norm == 2.0 {
+                    diff * diff
+                } else {
+                    diff.powf(self.norm as f64)
+                };
+                scaled * weights.map_or(1.0, |c| c[k] as f64)
+            };
+            values.iter().enumerate().map(|(k, w)| column(k, w)).sum()
+        };
+        let mut best = quantizer.params_from_range(min, max);
+        let mut best_error = error(best);
+        for i in 1..self.candidates() {
+            let shrink = 1.0 - i as f32 / self.grid as f32;
+            let p = quantizer.params_from_range(min * shrink, max * shrink);
+            let e = error(p);
+            if e < best_error {
+                (best, best_error) = (p, e);
+            }
+        }
+        best
+    }
+}
+
+/// `(min, max)` of `values`; `(0, 0)` when empty.
+fn min_max(values: &[f32]) -> (f32, f32) {
+    if values.is_empty() {
+        return (0.0, 0.0);
+    }
+    values
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        })
 }
 
 /// `v.round_ties_even()` for the range codes live in, without a libm call.
@@ -216,6 +309,41 @@ pub fn quantize_groupwise(
     group_size: usize,
     quantizer: IntQuantizer,
 ) -> Result<IntGroupQuantized, FormatError> {
+    quantize_groupwise_with(weights, rows, cols, group_size, quantizer, None)
+}
+
+/// [`quantize_groupwise`] with each group's parameters chosen by a [`ClipSearch`], columns
+/// weighted by `column_weights` `[cols]` when given.
+pub fn quantize_groupwise_searched(
+    weights: &[f32],
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    quantizer: IntQuantizer,
+    search: &ClipSearch,
+    column_weights: Option<&[f32]>,
+) -> Result<IntGroupQuantized, FormatError> {
+    if let Some(c) = column_weights {
+        crate::shape::check_matrix("column weights", c.len(), 1, cols)?;
+    }
+    quantize_groupwise_with(
+        weights,
+        rows,
+        cols,
+        group_size,
+        quantizer,
+        Some((search, column_weights)),
+    )
+}
+
+fn quantize_groupwise_with(
+    weights: &[f32],
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    quantizer: IntQuantizer,
+    search: Option<(&ClipSearch, Option<&[f32]>)>,
+) -> Result<IntGroupQuantized, FormatError> {
     crate::shape::check_matrix("weights", weights.len(), rows, cols)?;
     if group_size == 0 {
         return Err(FormatError::ZeroGroupSize);
@@ -237,12 +365,20 @@ pub fn quantize_groupwise(
         .zip(codes.par_chunks_exact_mut(cols.max(1)))
         .zip(row_params.par_chunks_exact_mut(groups.max(1)))
         .for_each(|((row, out), params)| {
-            for ((wg, cg), p) in row
+            for (g, ((wg, cg), p)) in row
                 .chunks(group_size)
                 .zip(out.chunks_mut(group_size))
                 .zip(params.iter_mut())
+                .enumerate()
             {
-                *p = quantizer.params_for(wg);
+                *p = match search {
+                    None => quantizer.params_for(wg),
+                    Some((search, column_weights)) => {
+                        let first = g * group_size;
+                        let weights = column_weights.map(|c| &c[first..first + wg.len()]);
+                        search.params(&quantizer, wg, weights)
+                    }
+                };
                 for (c, &w) in cg.iter_mut().zip(wg) {
                     *c = quantizer.quantize(w, *p);
                 }
@@ -264,6 +400,32 @@ pub fn quantize_groupwise(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clip_search_shrinks_a_range_set_by_one_outlier_and_refuses_bad_settings() {
+        let q = IntQuantizer::new(4, IntScheme::SymmetricIst).unwrap();
+        // 31 values in ±0.1 and one at 1.0: the plain range wastes most codes on the outlier.
+        let mut values: Vec<f32> = (0..31).map(|i| (i as f32 - 15.0) / 150.0).collect();
+        values.push(1.0);
+        let search = ClipSearch::GPTQMODEL;
+        assert_eq!(search.candidates(), 80);
+        let plain = q.params_for(&values);
+        let searched = search.params(&q, &values, None);
+        assert!(searched.scale < plain.scale, "{searched:?} vs {plain:?}");
+        // A heavy weight on the outlier's column keeps it representable.
+        let mut weights = vec![1.0f32; 32];
+        weights[31] = 1e6;
+        let kept = search.params(&q, &values, Some(&weights));
+        assert!(kept.scale > searched.scale);
+        for (grid, shrink, norm) in [
+            (0, 0.5, 2.0),
+            (10, 0.0, 2.0),
+            (10, 1.0, 2.0),
+            (10, 0.5, f32::NAN),
+        ] {
+            assert!(ClipSearch::new(grid, shrink, norm).is_err());
+        }
+    }
 
     #[test]
     fn the_two_symmetric_grids() {

@@ -24,6 +24,9 @@ mod shape;
 
 pub use error::FormatError;
 pub use gptq_pack::{GptqPacked, ZeroConvention};
-pub use int::{quantize_groupwise, IntGroupQuantized, IntQuantizer, IntScheme, QuantParams};
+pub use int::{
+    quantize_groupwise, quantize_groupwise_searched, ClipSearch, IntGroupQuantized, IntQuantizer,
+    IntScheme, QuantParams,
+};
 pub use minifloat::{MiniFloat, E2M1, E4M3FN, E5M2};
 pub use nvfp4::{BlockScales, Nvfp4Matrix, NVFP4_BLOCK};

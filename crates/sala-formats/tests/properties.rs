@@ -11,8 +11,9 @@ use sala_formats::nvfp4::{
     block_divisor, global_scale_from_amax, pack_e2m1, quantize_rows_into, unpack_e2m1,
 };
 use sala_formats::{
-    quantize_groupwise, BlockScales, GptqPacked, IntQuantizer, IntScheme, MiniFloat, Nvfp4Matrix,
-    ZeroConvention, E2M1, E4M3FN, E5M2, NVFP4_BLOCK,
+    quantize_groupwise, quantize_groupwise_searched, BlockScales, ClipSearch, GptqPacked,
+    IntQuantizer, IntScheme, MiniFloat, Nvfp4Matrix, ZeroConvention, E2M1, E4M3FN, E5M2,
+    NVFP4_BLOCK,
 };
 
 const FORMATS: [MiniFloat; 3] = [E2M1, E4M3FN, E5M2];
@@ -216,6 +217,69 @@ proptest! {
         let g_idx = sequential_g_idx(inp, gs).unwrap();
         let packed = GptqPacked::pack(&rtn.codes, &rtn.params, &g_idx, out, inp, 4, gs, ZeroConvention::V1).unwrap();
         prop_assert_eq!(packed.dequantize().unwrap(), rtn.dequantize());
+    }
+
+    /// A partial last group (`in % group_size != 0`, as GPTQModel writes SmolLM2's 576 inputs
+    /// in groups of 128): `ceil(in / group)` groups, `g_idx = k / group`, and packing, unpacking
+    /// and dequantizing all agree with the unpacked round-to-nearest result.
+    #[test]
+    fn gptq_packed_partial_last_group_round_trips(
+        out8 in 1usize..4, whole in 0usize..4, tail_words in 1usize..4, seed in any::<u64>(),
+        bits in prop_oneof![Just(2u32), Just(4u32), Just(8u32)],
+        scheme in prop_oneof![Just(IntScheme::SymmetricIst), Just(IntScheme::Asymmetric)],
+    ) {
+        let per = 32 / bits as usize;
+        // Groups of 4 words; the last holds 1..=3 words, so it is always partial.
+        let (out, gs) = (out8 * per, 4 * per);
+        let inp = whole * gs + tail_words * per;
+        prop_assert_ne!(inp % gs, 0);
+        let w: Vec<f32> = pseudo_random(seed, out * inp).map(unit).collect();
+        let q = IntQuantizer::new(bits, scheme).unwrap();
+        let rtn = quantize_groupwise(&w, out, inp, gs, q).unwrap();
+        let g_idx = sequential_g_idx(inp, gs).unwrap();
+        prop_assert_eq!(*g_idx.last().unwrap() as usize, whole);
+        let packed = GptqPacked::pack(&rtn.codes, &rtn.params, &g_idx, out, inp, bits, gs, ZeroConvention::V1).unwrap();
+        prop_assert_eq!(packed.groups(), whole + 1);
+        prop_assert_eq!(packed.scales.len(), (whole + 1) * out);
+        prop_assert_eq!(packed.qweight.len(), inp / per * out);
+        let (codes, params) = packed.unpack().unwrap();
+        prop_assert_eq!(codes, rtn.codes.clone());
+        prop_assert_eq!(params.len(), rtn.params.len());
+        for (a, b) in params.iter().zip(&rtn.params) {
+            prop_assert_eq!(a.zero, b.zero);
+            prop_assert_eq!(a.scale, b.scale);
+        }
+        prop_assert_eq!(packed.dequantize().unwrap(), rtn.dequantize());
+    }
+
+    /// The clipping search never does worse on its own weighted objective than the plain
+    /// min/max range (its first candidate), and the searched RTN matrix uses exactly the
+    /// search's parameters.
+    #[test]
+    fn clip_search_never_loses_to_min_max(
+        len in 1usize..64, seed in any::<u64>(), outlier in any::<bool>(),
+        bits in prop_oneof![Just(2u32), Just(4u32), Just(8u32)],
+        scheme in prop_oneof![Just(IntScheme::SymmetricIst), Just(IntScheme::SymmetricAbsMax), Just(IntScheme::Asymmetric)],
+        norm in prop_oneof![Just(2.0f32), Just(2.4f32), Just(1.0f32)],
+    ) {
+        let mut values: Vec<f32> = pseudo_random(seed, len).map(unit).collect();
+        if outlier { values[0] *= 20.0; }
+        let weights: Vec<f32> = pseudo_random(seed ^ 7, len).map(|r| unit(r).abs() + 0.01).collect();
+        let q = IntQuantizer::new(bits, scheme).unwrap();
+        let search = ClipSearch::new(100, 0.8, norm).unwrap();
+        let objective = |p| -> f64 {
+            values.iter().zip(&weights)
+                .map(|(&v, &c)| c as f64 * ((v - q.fake_quantize(v, p)).abs() as f64).powf(norm as f64))
+                .sum()
+        };
+        let searched = search.params(&q, &values, Some(&weights));
+        let plain = q.params_for(&values);
+        prop_assert!(objective(searched) <= objective(plain) * (1.0 + 1e-9));
+        let m = quantize_groupwise_searched(&values, 1, len, 16, q, &search, Some(&weights)).unwrap();
+        for (g, p) in m.params.iter().enumerate() {
+            let cols = g * 16..((g + 1) * 16).min(len);
+            prop_assert_eq!(*p, search.params(&q, &values[cols.clone()], Some(&weights[cols])));
+        }
     }
 
     #[test]

@@ -638,6 +638,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             bits,
             scheme: opts.scheme,
             group_size: Some(group_size),
+            clip: opts.clip,
         };
         let solve_err = |source| PipelineError::Solve {
             linear: linear.name.clone(),

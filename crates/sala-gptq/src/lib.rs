@@ -56,7 +56,8 @@ pub use options::{GptqOptions, QuantizeOptions, DEFAULT_PACK_TOKENS};
 pub use packing::pack_samples;
 pub use pipeline::{Pipeline, StagedRun};
 pub use plan::{
-    LayerBits, Nvfp4Coverage, PlanOptions, PlannedLinear, QuantPlan, Recipe, Treatment,
+    GptqLoader, LayerBits, LoaderTarget, LoaderVerdict, Nvfp4Coverage, PlanOptions, PlannedLinear,
+    QuantPlan, Recipe, Treatment,
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{

@@ -3,7 +3,7 @@
 use crate::error::PlanError;
 use crate::plan::{PlanOptions, QuantPlan, Recipe, Treatment};
 use sala_hessian::{
-    Damping, FailurePolicy, Gptq, GptqConfig, IntGrid, IntScheme, Nvfp4BlockSearch,
+    ClipSearch, Damping, FailurePolicy, Gptq, GptqConfig, IntGrid, IntScheme, Nvfp4BlockSearch,
 };
 use sala_model::{AttentionMode, Numerics, RunOptions};
 
@@ -25,6 +25,9 @@ pub struct GptqOptions {
     pub rtn_fallback: bool,
     /// Skip the solver: plain round-to-nearest on the same grid (the baseline); default off.
     pub rtn: bool,
+    /// A clipping search for each group's range, errors weighted by `diag(H)` (GPTQModel's
+    /// `mse`); default off. Runs the host column loop.
+    pub clip: Option<ClipSearch>,
 }
 
 impl Default for GptqOptions {
@@ -37,6 +40,7 @@ impl Default for GptqOptions {
             static_groups: false,
             rtn_fallback: false,
             rtn: false,
+            clip: None,
         }
     }
 }
@@ -167,7 +171,7 @@ impl QuantizeOptions {
         }
     }
 
-    /// Every GPTQ treatment of `plan`: served by Marlin, and accepted by the solver with these
+    /// Every GPTQ treatment of `plan`: served by the target's loaders, and accepted by the solver with these
     /// options (damping, block size, groups).
     fn check_gptq(&self, plan: &QuantPlan) -> Result<(), PlanError> {
         let sym = self.gptq.scheme != IntScheme::Asymmetric;
@@ -175,22 +179,26 @@ impl QuantizeOptions {
             let Treatment::Int { bits, group_size } = linear.treatment else {
                 continue;
             };
-            if !sala_export::marlin_supports(bits, sym) {
-                return Err(PlanError::Loader {
-                    linear: linear.name.clone(),
-                    detail: format!(
-                        "{bits}-bit {} GPTQ: gptq_marlin, the loader this checkpoint is written \
-                         for, serves 4 or 8 bits on a symmetric grid only (--bits, --layer-bits, \
-                         --no-sym)",
-                        if sym { "symmetric" } else { "asymmetric" }
-                    ),
-                });
+            for &loader in plan.target.required() {
+                if let Some(broken) = loader.bits_violation(bits, sym) {
+                    return Err(PlanError::Loader {
+                        linear: linear.name.clone(),
+                        detail: format!(
+                            "{bits}-bit {} GPTQ: {loader}, the loader this checkpoint is written \
+                             for (--target {}), refuses it: {broken} (--bits, --layer-bits, \
+                             --no-sym)",
+                            if sym { "symmetric" } else { "asymmetric" },
+                            plan.target
+                        ),
+                    });
+                }
             }
             let config = GptqConfig {
                 grid: IntGrid {
                     bits,
                     scheme: self.gptq.scheme,
                     group_size: Some(group_size),
+                    clip: self.gptq.clip,
                 },
                 block_size: self.gptq.block_size,
                 act_order: self.gptq.act_order,

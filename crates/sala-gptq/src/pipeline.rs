@@ -291,7 +291,7 @@ impl<B: Backend> Pipeline<B> {
         if let Some(log) = log {
             log.finish()?;
         }
-        let verdict = checkpoint.verify()?;
+        let verdict = checkpoint.verify_for(plan.target)?;
         if !verdict.is_ok() {
             // Dropping the staged checkpoint removes it; the output was never touched.
             return Err(PipelineError::Verify(verdict.to_string()));

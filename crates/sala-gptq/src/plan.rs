@@ -3,6 +3,7 @@
 
 use crate::error::PlanError;
 use regex::Regex;
+pub use sala_export::loaders::{GptqLoader, LoaderTarget, LoaderVerdict};
 use sala_model::{LayerKind, SalaConfig};
 use std::fmt;
 
@@ -135,6 +136,9 @@ pub struct PlanOptions {
     pub quantize_lm_head: bool,
     /// NVFP4 coverage variant.
     pub nvfp4_coverage: Nvfp4Coverage,
+    /// GPTQ: the loaders the checkpoint must load in; only their shape rules apply
+    /// (`gptq_marlin` by default).
+    pub target: LoaderTarget,
 }
 
 impl PlanOptions {
@@ -151,6 +155,7 @@ impl PlanOptions {
             exclude: Vec::new(),
             quantize_lm_head: false,
             nvfp4_coverage: Nvfp4Coverage::default(),
+            target: LoaderTarget::default(),
         }
     }
 }
@@ -190,15 +195,14 @@ impl PlannedLinear {
 pub struct QuantPlan {
     /// The recipe.
     pub recipe: Recipe,
+    /// GPTQ: the loaders the checkpoint must load in.
+    pub target: LoaderTarget,
     /// Every linear, in layer order then forward order; `lm_head` last.
     pub linears: Vec<PlannedLinear>,
     /// The layer kinds, for display.
     #[serde(skip)]
     layer_kinds: Vec<LayerKind>,
 }
-
-/// GPTQ group sizes `gptq_marlin` accepts (−1 = one group per row is not offered here).
-pub const MARLIN_GROUP_SIZES: [usize; 3] = [32, 64, 128];
 
 impl QuantPlan {
     /// Builds and checks the plan; every loader rule it can know without data is checked here.
@@ -244,8 +248,18 @@ impl QuantPlan {
         if !config.tie_word_embeddings() || options.quantize_lm_head {
             linears.push(lm_head);
         }
+        if options.recipe != Recipe::Gptq && options.target != LoaderTarget::Marlin {
+            return Err(PlanError::Option {
+                option: "--target",
+                message: format!(
+                    "{} names GPTQ loaders; the {:?} recipe writes ModelOpt's layout",
+                    options.target, options.recipe
+                ),
+            });
+        }
         let plan = Self {
             recipe: options.recipe,
+            target: options.target,
             linears,
             layer_kinds: config.layer_kinds().to_vec(),
         };
@@ -268,9 +282,27 @@ impl QuantPlan {
         self.linears.iter().filter(|l| l.treatment.is_quantized())
     }
 
+    /// GPTQ: whether each known loader would accept the result, and why not (`name: rule`, one
+    /// per refused linear); empty for NVFP4.
+    pub fn loader_verdicts(&self) -> Vec<LoaderVerdict> {
+        if self.recipe != Recipe::Gptq {
+            return Vec::new();
+        }
+        GptqLoader::ALL
+            .into_iter()
+            .map(|loader| LoaderVerdict {
+                loader,
+                refusals: self
+                    .quantized()
+                    .filter_map(|l| int_refusal(loader, l))
+                    .collect(),
+            })
+            .collect()
+    }
+
     fn check(&self) -> Result<(), PlanError> {
         for l in &self.linears {
-            check_shape(l)?;
+            check_shape(l, self.target)?;
         }
         for group in self.fused_groups() {
             let members: Vec<&PlannedLinear> = self
@@ -303,8 +335,27 @@ impl QuantPlan {
     }
 }
 
-/// The loader's shape gates for one linear.
-fn check_shape(l: &PlannedLinear) -> Result<(), PlanError> {
+/// The rules of `loader` that the INT linear `l` breaks (none for other treatments).
+fn int_violations(loader: GptqLoader, l: &PlannedLinear) -> Vec<String> {
+    let Treatment::Int { bits, group_size } = l.treatment else {
+        return Vec::new();
+    };
+    let mut broken: Vec<String> = loader
+        .group_violation(group_size as i64)
+        .into_iter()
+        .collect();
+    broken.extend(loader.linear_violations(l.out_features, l.in_features, bits, Some(group_size)));
+    broken
+}
+
+/// Why `loader` refuses the INT linear `l` (`name: rules`), if it does.
+fn int_refusal(loader: GptqLoader, l: &PlannedLinear) -> Option<String> {
+    let broken = int_violations(loader, l);
+    (!broken.is_empty()).then(|| format!("{}: {}", l.name, broken.join(", ")))
+}
+
+/// The target's loaders' shape gates for one linear.
+fn check_shape(l: &PlannedLinear, target: LoaderTarget) -> Result<(), PlanError> {
     let fail = |rule: String| {
         Err(PlanError::Shape {
             linear: l.name.clone(),
@@ -314,26 +365,25 @@ fn check_shape(l: &PlannedLinear) -> Result<(), PlanError> {
         })
     };
     match l.treatment {
-        Treatment::Int { bits, group_size } => {
-            if !MARLIN_GROUP_SIZES.contains(&group_size) {
-                return fail(format!(
-                    "group size {group_size} is not one of {MARLIN_GROUP_SIZES:?} (gptq_marlin)"
-                ));
-            }
+        Treatment::Int { bits, .. } => {
             if ![2, 4, 8].contains(&bits) {
                 return fail(format!(
                     "{bits}-bit weights cannot be packed into int32 words (2, 4 or 8; set by \
                      --bits, --layer-bits, --minicpm4-bits or --lightning-bits)"
                 ));
             }
-            if l.out_features % 64 != 0 {
-                return fail("out % 64 == 0 (Marlin min_thread_n)".into());
-            }
-            if l.in_features % 128 != 0 {
-                return fail("in % 128 == 0 (Marlin min_thread_k)".into());
-            }
-            if l.in_features % group_size != 0 {
-                return fail(format!("in % group_size ({group_size}) == 0"));
+            for &loader in target.required() {
+                let broken = int_violations(loader, l);
+                if !broken.is_empty() {
+                    let hint = match target {
+                        LoaderTarget::Marlin => "; --target gptq writes for the torch kernels",
+                        LoaderTarget::Gptq => "",
+                    };
+                    return fail(format!(
+                        "of {loader} (--target {target}): {}{hint}",
+                        broken.join(", ")
+                    ));
+                }
             }
         }
         Treatment::Nvfp4 => {
@@ -475,7 +525,14 @@ impl fmt::Display for QuantPlan {
             writeln!(f, "| - | head | lm_head {} | |", l.treatment.short())?;
         }
         let quantized = self.quantized().count();
-        write!(f, "{quantized} of {} linears quantized", self.linears.len())
+        write!(f, "{quantized} of {} linears quantized", self.linears.len())?;
+        if self.recipe == Recipe::Gptq {
+            write!(f, "; written for --target {}", self.target)?;
+        }
+        for verdict in self.loader_verdicts() {
+            write!(f, "\nloads in {verdict}")?;
+        }
+        Ok(())
     }
 }
 

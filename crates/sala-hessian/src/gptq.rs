@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
-use sala_formats::{IntQuantizer, QuantParams};
+use sala_formats::{ClipSearch, IntQuantizer, QuantParams};
 
 use crate::error::HessianError;
 use crate::hessian::Hessian;
@@ -141,6 +141,9 @@ pub struct ColumnProblem<'a> {
     pub upper: MatRef<'a, f32>,
     /// Static groups: parameters `[out, groups]` and the group of each loop position.
     pub static_groups: Option<(&'a [QuantParams], &'a [usize])>,
+    /// Dynamic groups chosen by a clipping search, each column's error weighted by
+    /// `diag(H)` in loop order (`[inp]`); `None`: the plain min/max range.
+    pub clip: Option<(ClipSearch, &'a [f32])>,
 }
 
 impl ColumnProblem<'_> {
@@ -193,7 +196,13 @@ pub(crate) fn quantize_column(
         None => {
             if c % gs == 0 {
                 let end = (c + gs).min(problem.inp);
-                params_row[c / gs] = problem.quantizer.params_for(&w_row[c..end]);
+                let values = &w_row[c..end];
+                params_row[c / gs] = match problem.clip {
+                    None => problem.quantizer.params_for(values),
+                    Some((search, diag)) => {
+                        search.params(&problem.quantizer, values, Some(&diag[c..end]))
+                    }
+                };
             }
             params_row[c / gs]
         }
@@ -415,6 +424,7 @@ impl Gptq {
         let mut w_loop = prepared.in_loop_order(&w0, inp).into_owned();
         let static_params = self.static_params(&prepared, &w0, out, inp);
         let static_group_of = prepared.static_group_of();
+        let loop_diag = prepared.clip_weights_in_loop_order();
         let problem = ColumnProblem {
             quantizer: self.quantizer,
             out,
@@ -425,6 +435,7 @@ impl Gptq {
             static_groups: static_params
                 .as_deref()
                 .map(|p| (p, static_group_of.as_slice())),
+            clip: cfg.grid.clip.zip(loop_diag.as_deref()),
         };
         let sol = column_loop.run(&problem, &mut w_loop)?;
         let attempt = DampingAttempt {
@@ -464,7 +475,13 @@ impl Gptq {
         if self.config.act_order {
             order.sort_by(|&a, &b| fixed[b].total_cmp(&fixed[a]));
         }
+        let clip_weights = self
+            .config
+            .grid
+            .clip
+            .map(|_| diag.iter().map(|&d| d as f32).collect());
         Ok(GptqPreparation {
+            clip_weights,
             mean_diag: mean_fixed_diagonal(diag, &dead),
             dead,
             order,
@@ -482,7 +499,11 @@ impl Gptq {
         inp: usize,
     ) -> Option<Vec<QuantParams>> {
         let use_static = self.config.static_groups && self.config.grid.group_size.is_some();
-        use_static.then(|| static_group_params(&self.quantizer, w0, out, inp, prepared.group_size))
+        use_static.then(|| {
+            let grid = (&self.config.grid, &self.quantizer);
+            let weights = prepared.clip_weights.as_deref();
+            static_group_params(grid, weights, w0, out, inp, prepared.group_size)
+        })
     }
 
     /// The integer quantizer of the grid.
@@ -590,9 +611,18 @@ pub struct GptqPreparation {
     pub mean_diag: f64,
     /// Columns per group (`inp` when per-channel).
     pub group_size: usize,
+    /// With a clipping search: `diag(H)` in the original column order, the weight of each
+    /// column's error.
+    pub clip_weights: Option<Vec<f32>>,
 }
 
 impl GptqPreparation {
+    /// [`clip_weights`](Self::clip_weights) in loop order.
+    pub fn clip_weights_in_loop_order(&self) -> Option<Vec<f32>> {
+        let weights = self.clip_weights.as_ref()?;
+        Some(self.order.iter().map(|&j| weights[j]).collect())
+    }
+
     /// The weights with dead columns zeroed, original order, row-major `[out, inp]`
     /// (borrowed when no column is dead).
     pub fn dead_zeroed<'a>(&self, weights: &'a [f32], inp: usize) -> Cow<'a, [f32]> {
@@ -678,9 +708,11 @@ fn permute_columns(w: &[f32], inp: usize, order: &[usize]) -> Vec<f32> {
     wp
 }
 
-/// Parameters of every group from the (dead-zeroed, un-permuted) weight, `[out, groups]`.
+/// Parameters of every group from the (dead-zeroed, un-permuted) weight, `[out, groups]`;
+/// `weights` `[inp]` weigh each column's error in the grid's clipping search.
 fn static_group_params(
-    quantizer: &IntQuantizer,
+    (grid, quantizer): (&IntGrid, &IntQuantizer),
+    weights: Option<&[f32]>,
     w: &[f32],
     out: usize,
     inp: usize,
@@ -688,10 +720,12 @@ fn static_group_params(
 ) -> Vec<QuantParams> {
     let groups = inp.div_ceil(gs);
     (0..out * groups)
+        .into_par_iter()
         .map(|k| {
             let (r, g) = (k / groups, k % groups);
-            let row = &w[r * inp..(r + 1) * inp];
-            quantizer.params_for(&row[g * gs..((g + 1) * gs).min(inp)])
+            let columns = g * gs..((g + 1) * gs).min(inp);
+            let values = &w[r * inp..(r + 1) * inp][columns.clone()];
+            grid.group_params(quantizer, values, weights.map(|c| &c[columns]))
         })
         .collect()
 }

@@ -46,6 +46,6 @@ pub use hessian::{
 pub use inverse::{CholeskyInverse, Damping, FaerFactorizer, UpperFactorizer};
 pub use quantized::{IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
-pub use sala_formats::{IntScheme, QuantParams};
+pub use sala_formats::{ClipSearch, IntScheme, QuantParams};
 pub use scalar::{Activation, HessianScalar};
 pub use solver::{CpuSolver, LinearSolver};

@@ -4,7 +4,7 @@
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::{Accum, Mat, MatRef, Par};
 use rayon::prelude::*;
-use sala_formats::{GptqPacked, IntQuantizer, IntScheme, QuantParams, ZeroConvention};
+use sala_formats::{ClipSearch, GptqPacked, IntQuantizer, IntScheme, QuantParams, ZeroConvention};
 
 use crate::error::{check_finite, check_matrix, HessianError};
 use crate::hessian::Hessian;
@@ -20,6 +20,9 @@ pub struct IntGrid {
     /// Input columns per group; `None` means one group per output row (per-channel, AutoGPTQ's
     /// `group_size = -1`). Default `Some(128)`.
     pub group_size: Option<usize>,
+    /// A clipping search for each group's range, errors weighted by `diag(H)` (default `None`:
+    /// the plain min/max range).
+    pub clip: Option<ClipSearch>,
 }
 
 impl Default for IntGrid {
@@ -28,6 +31,7 @@ impl Default for IntGrid {
             bits: 4,
             scheme: IntScheme::SymmetricIst,
             group_size: Some(128),
+            clip: None,
         }
     }
 }
@@ -36,6 +40,20 @@ impl IntGrid {
     /// The quantizer (checks the bit width).
     pub fn quantizer(&self) -> Result<IntQuantizer, HessianError> {
         Ok(IntQuantizer::new(self.bits, self.scheme)?)
+    }
+
+    /// One group's parameters under `quantizer` (this grid's): the min/max range, or the
+    /// clipping search's best with each column weighted by `weights` (same length) when given.
+    pub fn group_params(
+        &self,
+        quantizer: &IntQuantizer,
+        values: &[f32],
+        weights: Option<&[f32]>,
+    ) -> QuantParams {
+        match &self.clip {
+            None => quantizer.params_for(values),
+            Some(search) => search.params(quantizer, values, weights),
+        }
     }
 
     /// Columns per group for a layer with `inp` input columns (`inp` when per-channel).

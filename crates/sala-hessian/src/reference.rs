@@ -98,6 +98,7 @@ pub fn gptq_column_loop(
         block_size: 1,
         upper,
         static_groups: None,
+        clip: None,
     };
     let mut updated = weights.to_vec();
     let sol = sequential_loop(&problem, &mut updated);

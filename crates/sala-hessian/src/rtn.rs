@@ -2,7 +2,7 @@
 //! is compared against and its fallback.
 
 use rayon::prelude::*;
-use sala_formats::{quantize_groupwise, IntQuantizer};
+use sala_formats::{quantize_groupwise, quantize_groupwise_searched, IntQuantizer};
 
 use crate::error::HessianError;
 use crate::hessian::Hessian;
@@ -42,7 +42,16 @@ impl Rtn {
             h.check_finite()?;
         }
         let gs = self.grid.effective_group_size(inp)?;
-        let q = quantize_groupwise(weights, out, inp, gs, self.quantizer)?;
+        let q = match &self.grid.clip {
+            None => quantize_groupwise(weights, out, inp, gs, self.quantizer)?,
+            Some(search) => {
+                // The same weighting as GPTQ's search: diag(H) when there is a Hessian.
+                let diag: Option<Vec<f32>> =
+                    hessian.map(|h| h.diagonal().into_iter().map(|d| d.to_f32()).collect());
+                let q = self.quantizer;
+                quantize_groupwise_searched(weights, out, inp, gs, q, search, diag.as_deref())?
+            }
+        };
         let g_idx: Vec<i32> = (0..inp).map(|j| (j / gs) as i32).collect();
         let dequantized = dequantize(&q.codes, &q.params, &g_idx, out);
         let column_loss = half_squared_column_errors(weights, &dequantized, inp);

@@ -153,9 +153,14 @@ pub struct HfConfig {
     pub mlp_bias: bool,
     /// RMSNorm epsilon (all norms).
     pub rms_norm_eps: f64,
-    /// RoPE base.
-    #[serde(default = "default_rope_theta")]
-    pub rope_theta: f64,
+    /// RoPE base (transformers 4; default 10000); transformers 5 writes it in
+    /// `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// transformers 5's RoPE settings, `{"rope_type": "default", "rope_theta": …}`: only the
+    /// default (unscaled) RoPE is supported.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
     /// RoPE scaling; only `null` is supported.
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
@@ -198,8 +203,48 @@ fn default_act() -> String {
     "silu".to_owned()
 }
 
-fn default_rope_theta() -> f64 {
-    10_000.0
+/// RoPE's base when the config names none (transformers' default).
+pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+
+/// The RoPE base from `rope_theta` or transformers 5's `rope_parameters` (which must then agree),
+/// refusing every scaled RoPE.
+fn resolve_rope_theta(raw: &HfConfig) -> std::result::Result<f64, String> {
+    let from_parameters = match &raw.rope_parameters {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::Object(map)) => {
+            let kind = map.get("rope_type").or_else(|| map.get("type"));
+            match kind.and_then(|k| k.as_str()) {
+                None | Some("default") => {}
+                Some(other) => {
+                    return Err(format!(
+                        "rope_parameters.rope_type {other:?} is not supported (only \"default\": \
+                         scaled RoPE variants are not implemented)"
+                    ))
+                }
+            }
+            match map.get("rope_theta") {
+                None => None,
+                Some(v) => Some(v.as_f64().ok_or_else(|| {
+                    format!("rope_parameters.rope_theta must be a number, got {v}")
+                })?),
+            }
+        }
+        Some(other) => return Err(format!("rope_parameters must be an object, got {other}")),
+    };
+    let theta = match (raw.rope_theta, from_parameters) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!(
+                "rope_theta {a} and rope_parameters.rope_theta {b} disagree"
+            ))
+        }
+        (Some(a), _) => a,
+        (None, Some(b)) => b,
+        (None, None) => DEFAULT_ROPE_THETA,
+    };
+    if !(theta > 0.0 && theta.is_finite()) {
+        return Err(format!("rope_theta must be positive, got {theta}"));
+    }
+    Ok(theta)
 }
 
 /// Full name and `[out, in]` shape of one linear layer (`y = x Wᵀ`).
@@ -238,6 +283,7 @@ pub struct SalaConfig {
     kinds: Vec<LayerKind>,
     attention: HeadDims,
     lightning: Option<HeadDims>,
+    rope_theta: f64,
 }
 
 impl SalaConfig {
@@ -274,6 +320,7 @@ impl SalaConfig {
             }
         };
         check_common(&raw).map_err(&bad)?;
+        let rope_theta = resolve_rope_theta(&raw).map_err(&bad)?;
         let attention = softmax_heads(&raw).map_err(&bad)?;
         check_sizes(&raw, &attention).map_err(&bad)?;
         let (kinds, lightning) = match arch {
@@ -293,6 +340,7 @@ impl SalaConfig {
             kinds,
             attention,
             lightning,
+            rope_theta,
         })
     }
 
@@ -334,7 +382,7 @@ impl SalaConfig {
     }
     /// RoPE base.
     pub fn rope_theta(&self) -> f64 {
-        self.raw.rope_theta
+        self.rope_theta
     }
     /// Head layout of the softmax attention layers (minicpm4 or Llama).
     pub fn attention_heads(&self) -> HeadDims {
@@ -506,7 +554,10 @@ fn check_common(raw: &HfConfig) -> Check {
         ));
     }
     if raw.attention_bias || raw.mlp_bias {
-        return Err("attention_bias / mlp_bias = true is not supported".to_owned());
+        return Err(
+            "attention_bias / mlp_bias = true is not supported (the graph has no bias terms)"
+                .to_owned(),
+        );
     }
     if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
         return Err("rope_scaling is not supported (only null)".to_owned());
@@ -515,12 +566,6 @@ fn check_common(raw: &HfConfig) -> Check {
         return Err(format!(
             "rms_norm_eps must be positive, got {}",
             raw.rms_norm_eps
-        ));
-    }
-    if !(raw.rope_theta > 0.0 && raw.rope_theta.is_finite()) {
-        return Err(format!(
-            "rope_theta must be positive, got {}",
-            raw.rope_theta
         ));
     }
     Ok(())

@@ -543,6 +543,7 @@ fn gptq_config() -> GptqConfig {
             bits: 4,
             scheme: IntScheme::SymmetricIst,
             group_size: Some(GROUP),
+            clip: None,
         },
         block_size: BLOCK,
         act_order: false,

@@ -1,6 +1,6 @@
 //! GPTQ against RTN, against the textbook sequential loop, and on the numerical failures.
 
-mod common;
+use crate::common;
 
 use common::*;
 use proptest::prelude::*;
@@ -23,6 +23,7 @@ fn config(bits: u32, scheme: IntScheme, group_size: Option<usize>) -> GptqConfig
             bits,
             scheme,
             group_size,
+            clip: None,
         },
         ..GptqConfig::default()
     }

@@ -2,7 +2,7 @@
 //! mismatched set is refused, and gradients reach every tensor through the runner (what
 //! `examples/train_fixture.rs` relies on).
 
-mod common;
+use crate::common;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};

@@ -1,6 +1,6 @@
 //! `compare_checkpoints` on written fixtures: identical, one code changed, one linear dense.
 
-mod common;
+use crate::common;
 
 use common::*;
 use sala_export::compare::compare_checkpoints;

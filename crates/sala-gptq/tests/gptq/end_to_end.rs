@@ -150,3 +150,81 @@ fn both_recipes_run_on_tiny_llama() {
         assert!(rel < 0.8, "{recipe:?}: relative logits error {rel}");
     }
 }
+
+/// The SmolLM2-shaped Llama (hidden 192, intermediate 320: every input ends in a partial group
+/// of 128; tied embeddings; f16 weights; a transformers-5 config): refused for `gptq_marlin`
+/// before any compute, naming the linear and the target that takes it; quantized end to end for
+/// the torch kernels (`--target gptq`), with `ceil(in / 128)` groups per linear, verified for
+/// that target, and the report says which loaders accept it.
+#[test]
+fn a_smollm_shaped_llama_quantizes_for_the_torch_kernels() {
+    use sala_gptq::export::{loaders::GptqLoader, verify, verify_for, Rule};
+    use sala_gptq::{LoaderTarget, QuantPlan};
+
+    let model = fixtures().join("tiny-smollm");
+    let config = sala_gptq::model::SalaConfig::from_file(&model.join("config.json")).unwrap();
+    assert!(config.tie_word_embeddings());
+    assert_eq!(config.rope_theta(), 100000.0);
+    let marlin = QuantizeOptions::new(Recipe::Gptq);
+    let err = QuantPlan::build(&config, &marlin.plan)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.layers.0.self_attn.q_proj"), "{err}");
+    assert!(
+        err.contains("in 192 % 128") && err.contains("--target gptq"),
+        "{err}"
+    );
+
+    let mut options = QuantizeOptions::new(Recipe::Gptq);
+    options.plan.target = LoaderTarget::Gptq;
+    let plan = QuantPlan::build(&config, &options.plan).unwrap();
+    let verdicts = plan.loader_verdicts();
+    let accepts = |loader| {
+        verdicts
+            .iter()
+            .find(|v| v.loader == loader)
+            .unwrap()
+            .accepts()
+    };
+    assert!(accepts(GptqLoader::Torch));
+    assert!(!accepts(GptqLoader::Marlin) && !accepts(GptqLoader::Exllama));
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gptq");
+    let report = quantize(&model, options.clone(), &out);
+    assert!(
+        report.verify_summary.starts_with("verified ok"),
+        "{}",
+        report.verify_summary
+    );
+    assert!(report.total_output_error() < report.total_baseline_error());
+    let torch = verify_for(&out, LoaderTarget::Gptq).unwrap();
+    assert!(torch.is_ok(), "{torch}");
+    let torch_verdict = torch
+        .loaders
+        .iter()
+        .find(|v| v.loader == GptqLoader::Torch)
+        .unwrap();
+    assert!(torch_verdict.accepts(), "{torch_verdict}");
+    // The same files fail gptq_marlin's rules, by name.
+    let for_marlin = verify(&out).unwrap();
+    assert!(for_marlin.has(Rule::LoaderShape, "model.layers.0.self_attn.q_proj"));
+    assert!(for_marlin.has(Rule::LoaderShape, "model.layers.1.mlp.down_proj"));
+
+    let checkpoint = Checkpoint::open(&out).unwrap();
+    for (module, inp, groups) in [
+        ("model.layers.0.self_attn.q_proj", 192, 2),
+        ("model.layers.1.mlp.down_proj", 320, 3),
+    ] {
+        let scales = checkpoint.tensor_f32(&format!("{module}.scales")).unwrap();
+        assert_eq!(scales.shape[0], groups, "{module}");
+        let g_idx = checkpoint.tensor_f32(&format!("{module}.g_idx")).unwrap();
+        assert_eq!(g_idx.values.len(), inp);
+        assert_eq!(g_idx.values[inp - 1] as usize, groups - 1, "{module}");
+    }
+    // No lm_head: the embedding stays tied.
+    assert!(checkpoint.tensor_info("lm_head.weight").is_none());
+    let rel = logits_relative_error(&model, &out, &options);
+    eprintln!("tiny-smollm GPTQ for the torch kernels: relative logits error {rel}");
+    assert!(rel < 0.8, "relative logits error {rel}");
+}

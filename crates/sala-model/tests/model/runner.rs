@@ -1,6 +1,6 @@
 //! The layer runner: taps, weight replacement, dense mode, numerics, end to end.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -226,3 +226,52 @@ fn smoothing_groups_are_the_original_four_for_gptq_and_three_for_nvfp4() {
     };
     assert_eq!((groups(&gptq), groups(&nvfp4)), (4, 3));
 }
+
+/// `--target` applies only its loaders' rules: the 9B model suits every loader; a group size
+/// gptq_marlin does not serve (96) is refused for it and accepted for the torch kernels, where
+/// the plan says which loaders take it; NVFP4 has no GPTQ target.
+#[test]
+fn loader_targets_apply_only_their_rules() {
+    use sala_gptq::{GptqLoader, LoaderTarget};
+    let plan = QuantPlan::build(&sala9b(), &PlanOptions::new(Recipe::Gptq)).unwrap();
+    let verdicts = plan.loader_verdicts();
+    assert_eq!(verdicts.len(), GptqLoader::ALL.len());
+    assert!(verdicts.iter().all(|v| v.accepts()), "{verdicts:?}");
+    assert!(plan
+        .to_string()
+        .contains("loads in gptq_marlin (vLLM, SGLang): yes"));
+
+    let mut options = PlanOptions::new(Recipe::Gptq);
+    options.group_size = 96;
+    let err = QuantPlan::build(&sala9b(), &options).unwrap_err();
+    assert!(matches!(err, PlanError::Shape { .. }), "{err}");
+    assert!(err.to_string().contains("group_size 96"), "{err}");
+    options.target = LoaderTarget::Gptq;
+    let plan = QuantPlan::build(&sala9b(), &options).unwrap();
+    let verdicts = plan.loader_verdicts();
+    let marlin = verdicts
+        .iter()
+        .find(|v| v.loader == GptqLoader::Marlin)
+        .unwrap();
+    // Every quantized linear is refused, each by name.
+    assert_eq!(marlin.refusals.len(), plan.quantized().count());
+    assert!(marlin
+        .to_string()
+        .starts_with("gptq_marlin (vLLM, SGLang): no: model.layers.0."));
+    // 4096 % 96 = 64: a partial last group, which exllama refuses too.
+    let exllama = verdicts
+        .iter()
+        .find(|v| v.loader == GptqLoader::Exllama)
+        .unwrap();
+    assert!(!exllama.accepts());
+    assert!(verdicts
+        .iter()
+        .find(|v| v.loader == GptqLoader::Torch)
+        .unwrap()
+        .accepts());
+
+    let mut nvfp4 = PlanOptions::new(Recipe::Nvfp4);
+    nvfp4.target = LoaderTarget::Gptq;
+    let err = QuantPlan::build(&sala9b(), &nvfp4).unwrap_err().to_string();
+    assert!(err.contains("--target"), "{err}");
+}

@@ -1,6 +1,6 @@
 //! The optimised building blocks against their plain reference implementations.
 
-mod common;
+use crate::common;
 
 use common::*;
 use sala_model::ops::attention::{causal_attention, naive_reference};

@@ -1,6 +1,6 @@
 //! `config.json` parsing and validation.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
@@ -175,4 +175,36 @@ fn dimensions_whose_products_overflow_are_refused_naming_the_fields() {
     let mut config = fixture_config("tiny-llama");
     config["num_hidden_layers"] = huge.into();
     assert!(config_error(&config).contains("num_hidden_layers"));
+}
+
+/// transformers 5 moves the RoPE base into `rope_parameters` and may leave `architectures` out:
+/// both are read, a scaled RoPE or two disagreeing bases are refused naming the fields.
+#[test]
+fn transformers_5_rope_parameters_are_read_and_scaled_rope_refused() {
+    let mut value = fixture_config("tiny-llama");
+    let object = value.as_object_mut().unwrap();
+    object.remove("rope_theta");
+    object.remove("rope_scaling");
+    object.remove("architectures");
+    value["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 100000.0});
+    assert_eq!(parse(&value).unwrap().rope_theta(), 100000.0);
+
+    value["rope_theta"] = 50000.0.into();
+    let err = config_error(&value);
+    assert!(
+        err.contains("disagree") && err.contains("rope_parameters"),
+        "{err}"
+    );
+    value["rope_theta"] = 100000.0.into();
+    assert_eq!(parse(&value).unwrap().rope_theta(), 100000.0);
+
+    value["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 100000.0});
+    let err = config_error(&value);
+    assert!(err.contains("rope_type \"yarn\""), "{err}");
+    value["rope_parameters"] = serde_json::json!({"rope_theta": "big"});
+    assert!(config_error(&value).contains("must be a number"));
+
+    let mut value = fixture_config("tiny-llama");
+    value["attention_bias"] = true.into();
+    assert!(config_error(&value).contains("attention_bias"));
 }

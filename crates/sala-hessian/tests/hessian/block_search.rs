@@ -1,6 +1,6 @@
 //! The NVFP4 block-scale search against max calibration and the one-thread reference.
 
-mod common;
+use crate::common;
 
 use common::*;
 use sala_formats::nvfp4::global_scale_from_amax;

@@ -1,6 +1,6 @@
 //! Loading: single and sharded checkpoints, and the errors for bad files.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;

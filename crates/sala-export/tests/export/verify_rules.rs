@@ -1,14 +1,17 @@
 //! Every verifier rule, broken one at a time on an otherwise valid fixture: the report must
 //! name the rule and the tensor, and no other rule.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use sala_export::{verify, CheckpointWriter, Dtype, Rule, Tensor, VerifyReport, INDEX_FILE};
+use sala_export::loaders::{GptqLoader, LoaderTarget};
+use sala_export::{
+    verify, verify_for, CheckpointWriter, Dtype, Rule, Tensor, VerifyReport, INDEX_FILE,
+};
 use tempfile::TempDir;
 
 fn fixture(
@@ -171,7 +174,19 @@ fn marlin_shape_and_group_size_rules() {
         .unwrap();
     w.finish(model_config(), &quant_config(Format::Gptq, &[]))
         .unwrap();
-    assert_only(&verify(&target).unwrap(), Rule::MarlinShape, module);
+    assert_only(&verify(&target).unwrap(), Rule::LoaderShape, module);
+    // For the torch kernels (`--target gptq`) the same files are fine, and the report says
+    // which loaders take them.
+    let torch = verify_for(&target, LoaderTarget::Gptq).unwrap();
+    assert!(torch.is_ok(), "{torch}");
+    let refused: Vec<_> = torch.loaders.iter().filter(|v| !v.accepts()).collect();
+    assert_eq!(refused.len(), 1, "{:?}", torch.loaders);
+    assert_eq!(refused[0].loader, GptqLoader::Marlin);
+    assert!(
+        refused[0].refusals[0].contains("out 32 % 64"),
+        "{}",
+        refused[0]
+    );
 
     // group_size 16 is not a Marlin group size (the tensors, packed at 64, then disagree too).
     let (_root, dir) = fixture(Format::Gptq, &[], |_, _| {});
@@ -182,6 +197,13 @@ fn marlin_shape_and_group_size_rules() {
         "{:#?}",
         report.violations
     );
+    // The torch kernels take group 16; the packed tensors still disagree with it.
+    let torch = verify_for(&dir, LoaderTarget::Gptq).unwrap();
+    assert!(
+        !torch.has(Rule::GroupSize, "quantization_config"),
+        "{torch}"
+    );
+    assert!(torch.has(Rule::TensorLayout, ""), "{torch}");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Writer → reader round trips, the files around the weights, and the directory transaction.
 
-mod common;
+use crate::common;
 
 use std::fs;
 

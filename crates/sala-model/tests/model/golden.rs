@@ -10,7 +10,7 @@
 //! (about 70× the measured error, room for another CPU's summation order), while any modelling
 //! mistake (a missed scale, a wrong gate input, RoPE order) moves logits by percents.
 
-mod common;
+use crate::common;
 
 use common::*;
 use sala_model::{LayerRunner, RunOptions, SalaConfig, TensorStore};

@@ -1,0 +1,5 @@
+//! The integration tests of this package in one binary: each module below was a test binary of
+//! its own, and each linked the whole stack; one link instead of several keeps CI's build short.
+
+mod metrics;
+mod models;

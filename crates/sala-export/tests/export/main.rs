@@ -1,0 +1,7 @@
+//! The integration tests of this package in one binary: each module below was a test binary of
+//! its own, and each linked the whole stack; one link instead of several keeps CI's build short.
+
+mod common;
+mod compare;
+mod verify_rules;
+mod write_read;
