@@ -73,10 +73,10 @@ impl GptqLoader {
     pub fn group_violation(self, group_size: i64) -> Option<String> {
         match self.group_sizes() {
             Some(sizes) if !sizes.contains(&group_size) => {
-                Some(format!("group_size {group_size} is not one of {sizes:?}"))
+                Some(format!("group size {group_size} is not one of {sizes:?}"))
             }
             None if group_size != -1 && group_size <= 0 => Some(format!(
-                "group_size {group_size} is neither -1 nor positive"
+                "group size {group_size} is neither -1 nor positive"
             )),
             _ => None,
         }

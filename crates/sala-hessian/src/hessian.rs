@@ -287,7 +287,7 @@ fn add_f32_products<T: HessianScalar, A: Activation>(
             .for_each(|(col, mut column)| {
                 for row in col..dim {
                     let product = T::from_f32(scratch[(row, col)]);
-                    column[row] = column[row] + alpha * product;
+                    column[row] += alpha * product;
                 }
             });
     }

@@ -245,7 +245,7 @@ fn loader_targets_apply_only_their_rules() {
     options.group_size = 96;
     let err = QuantPlan::build(&sala9b(), &options).unwrap_err();
     assert!(matches!(err, PlanError::Shape { .. }), "{err}");
-    assert!(err.to_string().contains("group_size 96"), "{err}");
+    assert!(err.to_string().contains("group size 96"), "{err}");
     options.target = LoaderTarget::Gptq;
     let plan = QuantPlan::build(&sala9b(), &options).unwrap();
     let verdicts = plan.loader_verdicts();
