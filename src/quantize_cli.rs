@@ -106,6 +106,16 @@ pub struct Args {
     /// GPTQ static groups.
     #[arg(long)]
     static_groups: bool,
+    /// GPTQ group-aware reordering (GAR, GPTQModel's act_group_aware): groups solved by
+    /// decreasing max diag(H), columns inside each by decreasing diag(H); the checkpoint keeps
+    /// the natural g_idx (desc_act false), so every loader serves it.
+    #[arg(long, conflicts_with = "act_order")]
+    group_aware_order: bool,
+    /// True-sequential: capture each linear's inputs from the layer whose earlier linears
+    /// (attention inputs, o_proj, gate/up) are already quantized; one more forward pass of the
+    /// layer per input group.
+    #[arg(long)]
+    true_sequential: bool,
     /// Fall back to RTN for a linear whose Hessian cannot be factored even after retries.
     #[arg(long)]
     rtn_fallback: bool,
@@ -613,7 +623,7 @@ fn resume_identity(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 37] = [
+    let flags: [(&str, String); 39] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -634,6 +644,8 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--grid", format!("{:?}", a.grid)),
         ("--act-order", a.act_order.to_string()),
         ("--static-groups", a.static_groups.to_string()),
+        ("--group-aware-order", a.group_aware_order.to_string()),
+        ("--true-sequential", a.true_sequential.to_string()),
         ("--rtn-fallback", a.rtn_fallback.to_string()),
         ("--rtn", a.rtn.to_string()),
         ("--clip-search", a.clip_search.to_string()),
@@ -747,6 +759,8 @@ fn options_from(
     options.gptq.damping.percdamp = args.damp;
     options.gptq.act_order = args.act_order;
     options.gptq.static_groups = args.static_groups;
+    options.gptq.group_aware_order = args.group_aware_order;
+    options.true_sequential = args.true_sequential;
     options.gptq.rtn_fallback = args.rtn_fallback;
     options.gptq.rtn = args.rtn;
     options.gptq.clip = match args.clip_search {

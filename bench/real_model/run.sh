@@ -25,7 +25,9 @@
 # Each quantizer runs under /usr/bin/time -v (wall time, peak RSS): OUT_DIR/<name>.time.txt,
 # its log in OUT_DIR/<name>.log. Checkpoints are reused when present (REUSE=1, the default;
 # REUSE=0 redoes them, timing included). Environment: WORK, GROUP_SIZES, THREADS (default 2),
-# OURS_ARGS (extra quantize_sala flags, e.g. --no-smooth), SCORE_ARGS (e.g. --windows 4: the first
+# OURS_ARGS (extra quantize_sala flags, e.g. --no-smooth), ABLATIONS (a file of lines "NAME
+# FLAGS...": one more run of ours at group 128 per line, named ours-g128-NAME, e.g.
+# bench/real_model/ablations.txt), SCORE_ARGS (e.g. --windows 4: the first
 # 4 windows of each text; all 16 cost ~10-20 s per window and model on 2 busy cores),
 # PYTHON (for the venv), REUSE.
 set -uo pipefail
@@ -44,6 +46,7 @@ GROUP_SIZES="${GROUP_SIZES:-128 64}"
 THREADS="${THREADS:-2}"
 REUSE="${REUSE:-1}"
 OURS_ARGS="${OURS_ARGS:-}"
+ABLATIONS="${ABLATIONS:-}"
 SCORE_ARGS="${SCORE_ARGS:-}"
 
 log() { printf '[run %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/run.log"; }
@@ -122,13 +125,22 @@ else
             [[ -f "$dest/quantization_report.json" ]] && cp "$dest/quantization_report.json" "$OUT/$name.report.json"
         fi
         if [[ -x "$BIN_DIR/verify_checkpoint" ]]; then
-            "$BIN_DIR/verify_checkpoint" "$dest" > "$OUT/$name.verify.log" 2>&1 \
+            "$BIN_DIR/verify_checkpoint" "${target[@]}" "$dest" > "$OUT/$name.verify.log" 2>&1 \
                 || log "ours $name: verify_checkpoint FAILED (see $OUT/$name.verify.log)"
         fi
         candidates+=("--candidate" "$name=$dest")
     }
     for g in $GROUP_SIZES; do run_ours "ours-g$g" "$g"; done
     run_ours "ours-rtn-g128" 128 --rtn
+    # Ablations: one run per line of $ABLATIONS ("NAME FLAGS...", # comments), group 128.
+    if [[ -n "$ABLATIONS" ]]; then
+        [[ -f "$ABLATIONS" ]] || die "ABLATIONS=$ABLATIONS is not a file"
+        while read -r name flags; do
+            [[ -z "$name" || "$name" == \#* ]] && continue
+            # shellcheck disable=SC2086
+            run_ours "ours-g128-$name" 128 $flags
+        done < "$ABLATIONS"
+    fi
 fi
 
 # 6. score

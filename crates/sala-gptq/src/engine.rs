@@ -295,9 +295,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .iter()
             .map(|g| g.readers.iter().any(|r| quantized.contains(r)))
             .collect();
+        let stages = capture_stages(&needed, self.options.true_sequential);
         progress.stage(Stage::Capture, self.active.len());
+        let first_kinds = self.first_capture_kinds(&groups, &needed, &stages);
         let (mut stats, accumulate, finalize) =
-            self.capture(layer, &weights, &groups, &needed, hidden, progress)?;
+            self.capture(layer, &weights, &groups, &first_kinds, hidden, progress)?;
         report.stages.accumulate = accumulate;
         report.stages.finalize = finalize;
         report.stages.capture = seconds_since(t) - accumulate - finalize;
@@ -309,16 +311,38 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
         report.stages.smooth = seconds_since(t);
 
-        let t = Instant::now();
-        let solved = self.solve_layer(
-            layer,
-            &groups,
-            &mut weights,
-            &stats,
-            &scale_ranges,
-            progress,
-        )?;
-        report.stages.solve = seconds_since(t);
+        let mut solved = Vec::new();
+        for (s, stage) in stages.iter().enumerate() {
+            if s > 0 {
+                // True-sequential: this stage's inputs come from the layer whose earlier
+                // linears are already replaced by their dequantized weights.
+                let t = Instant::now();
+                progress.stage(Stage::Capture, self.active.len());
+                let kinds: Vec<Option<StatsKind>> = (0..groups.len())
+                    .map(|g| stage.contains(&g).then(|| self.stats_kind()))
+                    .collect();
+                let (mut again, accumulate, finalize) =
+                    self.capture(layer, &weights, &groups, &kinds, hidden, progress)?;
+                for &g in stage {
+                    stats[g] = again[g].take();
+                }
+                report.stages.accumulate += accumulate;
+                report.stages.finalize += finalize;
+                report.stages.capture += seconds_since(t) - accumulate - finalize;
+                progress.stage(Stage::Solve, quantized.len());
+            }
+            let t = Instant::now();
+            solved.extend(self.solve_layer(
+                layer,
+                &groups,
+                stage,
+                &mut weights,
+                &stats,
+                &scale_ranges,
+                progress,
+            )?);
+            report.stages.solve += seconds_since(t);
+        }
 
         let t = Instant::now();
         hand_over(sink, &solved, &weights, &quantized, &modified)?;
@@ -397,28 +421,28 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .try_for_each(|&i| self.sample_failed(i, layer, message.to_owned()))
     }
 
-    /// Runs the layer on every active sample, feeding each needed input to its statistics.
-    /// Returns the finalized statistics per input group and the seconds spent accumulating
-    /// and finalizing them.
+    /// Runs the layer on every active sample, feeding each input group with a kind in `kinds`
+    /// to statistics of that kind. Returns the finalized statistics per input group and the
+    /// seconds spent accumulating and finalizing them.
     fn capture(
         &mut self,
         layer: usize,
         weights: &LayerWeights,
         groups: &[InputGroup],
-        needed: &[bool],
+        kinds: &[Option<StatsKind>],
         hidden: &HiddenStates<B>,
         progress: &mut dyn Progress,
     ) -> Result<Captured<B>, PipelineError> {
         let first_reader: BTreeMap<&str, usize> = groups
             .iter()
             .enumerate()
-            .filter(|(g, _)| needed[*g])
+            .filter(|(g, _)| kinds[*g].is_some())
             .map(|(g, group)| (group.readers[0].as_str(), g))
             .collect();
         let mut stats: Vec<Option<InputStats<B>>> = groups
             .iter()
-            .zip(needed)
-            .map(|(group, &need)| need.then(|| self.new_stats(weights, group)).transpose())
+            .zip(kinds)
+            .map(|(group, kind)| kind.map(|k| self.new_stats(weights, group, k)).transpose())
             .collect::<Result<_, _>>()?;
         let runner = self.runner;
         let device_weights = runner.upload(weights)?;
@@ -476,16 +500,58 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         Ok((finalized, accumulate, seconds_since(t)))
     }
 
+    /// The statistics the recipe's solver needs: `XᵀX` for GPTQ, per-channel for NVFP4.
+    fn stats_kind(&self) -> StatsKind {
+        match self.plan.recipe {
+            Recipe::Gptq => StatsKind::Full,
+            Recipe::Nvfp4 => StatsKind::Diagonal,
+        }
+    }
+
+    /// What the first capture of a layer accumulates per input group: the solver's statistics
+    /// for the groups of the first stage; for the later stages of a true-sequential run only
+    /// what smoothing reads (per-channel statistics of the original layer), since their
+    /// solver statistics are captured again once the earlier stages are quantized.
+    fn first_capture_kinds(
+        &self,
+        groups: &[InputGroup],
+        needed: &[bool],
+        stages: &[Vec<usize>],
+    ) -> Vec<Option<StatsKind>> {
+        let first = stages.first().map(Vec::as_slice).unwrap_or_default();
+        groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                if first.contains(&g) {
+                    Some(self.stats_kind())
+                } else if needed[g] && self.smooths(group) {
+                    Some(StatsKind::Diagonal)
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// Whether SmoothQuant runs on `group`: smoothing is on, the plan marks the group
+    /// ([`PlannedLinear::smooth_group`]; NVFP4: not up→down) and its source can absorb a scale.
+    fn smooths(&self, group: &InputGroup) -> bool {
+        let planned = self
+            .plan
+            .get(&group.readers[0])
+            .and_then(|l| l.smooth_group.as_ref())
+            .is_some();
+        self.options.smooth_alpha.is_some() && planned && smooth_group_of(group).is_some()
+    }
+
     fn new_stats(
         &self,
         weights: &LayerWeights,
         group: &InputGroup,
+        kind: StatsKind,
     ) -> Result<InputStats<B>, PipelineError> {
         let dim = weights.get(&format!("{}.weight", group.readers[0]))?.shape[1];
-        let kind = match self.plan.recipe {
-            Recipe::Gptq => StatsKind::Full,
-            Recipe::Nvfp4 => StatsKind::Diagonal,
-        };
         let on_device = self.options.device_statistics.then(|| self.runner.device());
         InputStats::new(kind, dim, on_device).map_err(|source| PipelineError::Solve {
             linear: group.readers[0].clone(),
@@ -510,18 +576,12 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let recipe = ScaleRecipe::original(alpha);
         let readers = reader_map(groups);
         for (g, group) in groups.iter().enumerate() {
-            // The plan says which inputs the recipe smooths (NVFP4: not up→down).
-            let planned = self
-                .plan
-                .get(&group.readers[0])
-                .and_then(|l| l.smooth_group.as_ref())
-                .is_some();
+            if !needed[g] || !self.smooths(group) {
+                continue;
+            }
             let Some(smooth_group) = smooth_group_of(group) else {
                 continue;
             };
-            if !needed[g] || !planned {
-                continue;
-            }
             let name = group.source.name().to_owned();
             let smooth_err = |source| PipelineError::Smooth {
                 group: name.clone(),
@@ -546,11 +606,14 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         Ok(ranges)
     }
 
-    /// Solves every quantized linear of the layer and replaces its weight by the dequantized one.
+    /// Solves every quantized linear that reads an input group of `stage` and replaces its
+    /// weight by the dequantized one.
+    #[allow(clippy::too_many_arguments)]
     fn solve_layer(
         &mut self,
         layer: usize,
         groups: &[InputGroup],
+        stage: &[usize],
         weights: &mut LayerWeights,
         stats: &[Option<Finalized<B>>],
         scale_ranges: &BTreeMap<String, (f32, f32)>,
@@ -567,6 +630,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .plan
             .layer(layer)
             .filter(|l| l.treatment.is_quantized())
+            .filter(|l| stage.contains(&group_of[l.name.as_str()]))
             .cloned()
             .collect();
         for linear in planned {
@@ -649,6 +713,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             block_size: opts.block_size,
             act_order: opts.act_order,
             static_groups: opts.static_groups,
+            group_aware_order: opts.group_aware_order,
             damping: opts.damping,
             on_failure: opts.failure_policy(),
             proxy_error: true,
@@ -808,6 +873,23 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             }
         }
         sync::<B>(runner.device()).map_err(|message| PipelineError::Device { layer, message })
+    }
+}
+
+/// The input groups each capture of a layer serves, in forward order: one capture for every
+/// needed group (`needed[g]`), or with `true_sequential` one per group, each captured after the
+/// groups before it are quantized (GPTQModel's default order: attention inputs, `o_proj`,
+/// gate/up, down).
+fn capture_stages(needed: &[bool], true_sequential: bool) -> Vec<Vec<usize>> {
+    let groups = needed
+        .iter()
+        .enumerate()
+        .filter(|(_, &n)| n)
+        .map(|(g, _)| g);
+    if true_sequential {
+        groups.map(|g| vec![g]).collect()
+    } else {
+        vec![groups.collect()]
     }
 }
 

@@ -21,6 +21,9 @@ pub struct GptqOptions {
     pub act_order: bool,
     /// Static groups (monotone `g_idx` under act-order).
     pub static_groups: bool,
+    /// Group-aware reordering (GAR, GPTQModel's `act_group_aware`): groups solved by
+    /// decreasing importance, natural `g_idx` in the checkpoint; excludes act-order.
+    pub group_aware_order: bool,
     /// Quantize with RTN when even the last damping retry cannot factor the Hessian.
     pub rtn_fallback: bool,
     /// Skip the solver: plain round-to-nearest on the same grid (the baseline); default off.
@@ -38,6 +41,7 @@ impl Default for GptqOptions {
             block_size: 128,
             act_order: false,
             static_groups: false,
+            group_aware_order: false,
             rtn_fallback: false,
             rtn: false,
             clip: None,
@@ -97,6 +101,12 @@ pub struct QuantizeOptions {
     pub skip_failed_samples: bool,
     /// Also quantize every linear with RTN to report its error next to the solver's.
     pub compare_rtn: bool,
+    /// True-sequential quantization inside each layer (GPTQModel's `true_sequential`): the
+    /// inputs of each linear are captured from the layer whose earlier linears are already
+    /// quantized (attention inputs, then `o_proj`'s, then gate/up's, then down's), at the cost
+    /// of one more forward pass of the layer per input group. Smoothing still reads the
+    /// original layer's activations. Default off.
+    pub true_sequential: bool,
     /// Replace an existing output directory, only once the new one is complete and verified,
     /// and only if it is a quantized checkpoint or empty (see `sala_export::StagedDir`).
     pub overwrite: bool,
@@ -137,6 +147,7 @@ impl QuantizeOptions {
             pack_tokens: DEFAULT_PACK_TOKENS,
             skip_failed_samples: false,
             compare_rtn: true,
+            true_sequential: false,
             overwrite: false,
             max_shard_bytes: sala_export::DEFAULT_MAX_SHARD_BYTES,
             resume: false,
@@ -203,6 +214,7 @@ impl QuantizeOptions {
                 block_size: self.gptq.block_size,
                 act_order: self.gptq.act_order,
                 static_groups: self.gptq.static_groups,
+                group_aware_order: self.gptq.group_aware_order,
                 damping: self.gptq.damping,
                 on_failure: self.gptq.failure_policy(),
                 proxy_error: true,

@@ -446,7 +446,7 @@ pub fn quantization_config(plan: &QuantPlan, options: &QuantizeOptions) -> Quant
             cfg.desc_act = options.gptq.act_order;
             cfg.static_groups = options.gptq.static_groups;
             cfg.damp_percent = options.gptq.damping.percdamp;
-            cfg.true_sequential = false;
+            cfg.true_sequential = options.true_sequential;
             for l in plan.linears.iter().filter(|l| l.layer.is_some()) {
                 match l.treatment {
                     Treatment::Keep { .. } => cfg.skip_module(&l.name),

@@ -47,6 +47,11 @@ pub struct GptqConfig {
     /// With groups: compute every group's parameters up front from the original weight, so
     /// that act-order keeps a monotone `g_idx`.
     pub static_groups: bool,
+    /// Group-aware reordering (GAR, GPTQModel's `act_group_aware`): whole groups by
+    /// decreasing `max diag(H)`, the columns inside each by decreasing `diag(H)`; a partial
+    /// last group stays last. Every group keeps its own columns, so the result has the natural
+    /// `g_idx` (desc_act off: every loader serves it). Needs groups; excludes `act_order`.
+    pub group_aware_order: bool,
     /// Damping and retries of the Cholesky inverse.
     pub damping: Damping,
     /// What to do when the inverse fails.
@@ -62,6 +67,7 @@ impl Default for GptqConfig {
             block_size: 128,
             act_order: false,
             static_groups: false,
+            group_aware_order: false,
             damping: Damping::default(),
             on_failure: FailurePolicy::Error,
             proxy_error: true,
@@ -366,6 +372,20 @@ impl Gptq {
                 rule: "must be positive",
             });
         }
+        if config.group_aware_order && config.act_order {
+            return Err(HessianError::InvalidOption {
+                name: "group_aware_order",
+                value: "true".into(),
+                rule: "excludes act_order (desc_act): choose one column order",
+            });
+        }
+        if config.group_aware_order && config.grid.group_size.is_none() {
+            return Err(HessianError::InvalidOption {
+                name: "group_aware_order",
+                value: "true".into(),
+                rule: "reorders groups: needs a group size",
+            });
+        }
         config.damping.validate()?;
         Ok(Self { config, quantizer })
     }
@@ -471,10 +491,15 @@ impl Gptq {
             .zip(&dead)
             .map(|(&d, &dead)| if dead { 1.0 } else { d })
             .collect();
-        let mut order: Vec<usize> = (0..inp).collect();
-        if self.config.act_order {
+        let order = if self.config.act_order {
+            let mut order: Vec<usize> = (0..inp).collect();
             order.sort_by(|&a, &b| fixed[b].total_cmp(&fixed[a]));
-        }
+            order
+        } else if self.config.group_aware_order {
+            group_aware_order(&fixed, group_size)
+        } else {
+            (0..inp).collect()
+        };
         let clip_weights = self
             .config
             .grid
@@ -531,13 +556,29 @@ impl Gptq {
                 transpose(p, out, groups),
                 (0..inp).map(|j| (j / gs) as i32).collect(),
             ),
-            None => {
-                let mut g_idx = vec![0i32; inp];
-                for (c, &j) in perm.iter().enumerate() {
-                    g_idx[j] = (c / gs) as i32;
+            None => match prepared.whole_group_origins() {
+                // Every loop group is one whole original group (natural order, group-aware
+                // order): the parameters go back to their groups, `g_idx` stays natural.
+                Some(origin) => {
+                    let mut params = sol.params_rows.clone();
+                    for (row, row_params) in params.chunks_exact_mut(groups).enumerate() {
+                        for (k, &o) in origin.iter().enumerate() {
+                            row_params[o] = sol.params_rows[row * groups + k];
+                        }
+                    }
+                    (
+                        transpose(&params, out, groups),
+                        (0..inp).map(|j| (j / gs) as i32).collect(),
+                    )
                 }
-                (transpose(&sol.params_rows, out, groups), g_idx)
-            }
+                None => {
+                    let mut g_idx = vec![0i32; inp];
+                    for (c, &j) in perm.iter().enumerate() {
+                        g_idx[j] = (c / gs) as i32;
+                    }
+                    (transpose(&sol.params_rows, out, groups), g_idx)
+                }
+            },
         };
         let mut column_loss = vec![0.0f64; inp];
         for (c, &j) in perm.iter().enumerate() {
@@ -663,6 +704,23 @@ impl GptqPreparation {
         self.order.iter().enumerate().all(|(c, &j)| c == j)
     }
 
+    /// `Some(origin)` when every group of the loop order (positions `k·gs ..`) holds exactly
+    /// the columns of one original group `origin[k]` (the natural and the group-aware orders);
+    /// `None` when a loop group mixes columns of several (act-order).
+    pub fn whole_group_origins(&self) -> Option<Vec<usize>> {
+        let (gs, inp) = (self.group_size, self.order.len());
+        self.order
+            .chunks(gs.max(1))
+            .map(|loop_group| {
+                let origin = loop_group.first()? / gs;
+                let size = ((origin + 1) * gs).min(inp) - origin * gs;
+                let whole =
+                    loop_group.len() == size && loop_group.iter().all(|&j| j / gs == origin);
+                whole.then_some(origin)
+            })
+            .collect()
+    }
+
     /// The static group of each loop position (the group of its original column).
     pub fn static_group_of(&self) -> Vec<usize> {
         self.order.iter().map(|&j| j / self.group_size).collect()
@@ -676,6 +734,29 @@ impl GptqPreparation {
             .map(|&j| if self.dead[j] { 1.0 } else { diag[j] })
             .collect()
     }
+}
+
+/// GAR's loop order from the (dead-fixed) diagonal: the full groups by decreasing maximum
+/// `diag`, the columns inside each by decreasing `diag` (both stable: ties keep column
+/// order), then a partial last group in its natural order.
+fn group_aware_order(diag: &[f64], gs: usize) -> Vec<usize> {
+    let full = diag.len() / gs.max(1);
+    let by_diag_desc = |a: &usize, b: &usize| diag[*b].total_cmp(&diag[*a]);
+    let mut inside: Vec<Vec<usize>> = (0..full)
+        .map(|g| {
+            let mut cols: Vec<usize> = (g * gs..(g + 1) * gs).collect();
+            cols.sort_by(by_diag_desc);
+            cols
+        })
+        .collect();
+    let mut group_order: Vec<usize> = (0..full).collect();
+    group_order.sort_by(|&a, &b| diag[inside[b][0]].total_cmp(&diag[inside[a][0]]));
+    let mut order: Vec<usize> = group_order
+        .into_iter()
+        .flat_map(|g| std::mem::take(&mut inside[g]))
+        .collect();
+    order.extend(full * gs..diag.len());
+    order
 }
 
 /// `W[:, order[c]] = Wp[:, c]`: the inverse of [`permute_columns`], rows in parallel.

@@ -548,6 +548,7 @@ fn gptq_config() -> GptqConfig {
         block_size: BLOCK,
         act_order: false,
         static_groups: false,
+        group_aware_order: false,
         damping: damping(),
         on_failure: FailurePolicy::Error,
         proxy_error: false,

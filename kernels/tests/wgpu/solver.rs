@@ -63,11 +63,13 @@ fn device_gptq_matches_the_host_solver() {
     let mut rng = Rng::new(21);
     let h = hessian(&mut rng, inp);
     let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
-    for (act_order, static_groups, group_size, block_size) in [
-        (false, false, Some(32), 64),
-        (true, false, Some(64), 128),
-        (true, true, Some(32), 64),
-        (false, false, None, 48),
+    for (act_order, static_groups, group_size, block_size, group_aware_order) in [
+        (false, false, Some(32), 64, false),
+        (true, false, Some(64), 128, false),
+        (true, true, Some(32), 64, false),
+        (false, false, None, 48, false),
+        (false, false, Some(32), 64, true),
+        (false, true, Some(64), 128, true),
     ] {
         let config = GptqConfig {
             grid: IntGrid {
@@ -79,9 +81,12 @@ fn device_gptq_matches_the_host_solver() {
             block_size,
             act_order,
             static_groups,
+            group_aware_order,
             ..GptqConfig::default()
         };
-        let label = format!("act_order {act_order} static {static_groups} group {group_size:?}");
+        let label = format!(
+            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order}"
+        );
         let cpu = CpuSolver
             .solve_gptq(&config, &weights, out, inp, &h)
             .unwrap();
@@ -221,11 +226,12 @@ fn resident_gptq_matches_the_host_solver() {
     let h = hessian(&mut rng, inp);
     let h_device = on_device(&h);
     let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
-    for (act_order, static_groups, group_size) in [
-        (false, false, Some(32)),
-        (true, false, Some(32)),
-        (true, true, Some(32)),
-        (false, false, None),
+    for (act_order, static_groups, group_size, group_aware_order) in [
+        (false, false, Some(32), false),
+        (true, false, Some(32), false),
+        (true, true, Some(32), false),
+        (false, false, None, false),
+        (false, false, Some(32), true),
     ] {
         let config = GptqConfig {
             grid: IntGrid {
@@ -237,9 +243,12 @@ fn resident_gptq_matches_the_host_solver() {
             block_size: 64,
             act_order,
             static_groups,
+            group_aware_order,
             ..GptqConfig::default()
         };
-        let label = format!("act_order {act_order} static {static_groups} group {group_size:?}");
+        let label = format!(
+            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order}"
+        );
         let cpu = CpuSolver
             .solve_gptq(&config, &weights, out, inp, &h)
             .unwrap();

@@ -228,3 +228,75 @@ fn a_smollm_shaped_llama_quantizes_for_the_torch_kernels() {
     eprintln!("tiny-smollm GPTQ for the torch kernels: relative logits error {rel}");
     assert!(rel < 0.8, "relative logits error {rel}");
 }
+
+/// True-sequential and group-aware order through the pipeline on tiny Llama (two groups of 128
+/// per input): true-sequential gives q/k/v of layer 0 the same inputs as the default run and
+/// every later linear of the layer inputs captured after the earlier ones are quantized; GAR
+/// keeps the natural `g_idx` (desc_act off) and changes the solution. Both verify, read back
+/// and stay close, and the checkpoint's `quantization_config` says what ran.
+#[test]
+fn true_sequential_and_group_aware_order_run_end_to_end() {
+    let model = fixtures().join("tiny-llama");
+    let dir = tempfile::tempdir().unwrap();
+    let base_options = QuantizeOptions::new(Recipe::Gptq);
+    let base = quantize(&model, base_options.clone(), &dir.path().join("base"));
+    let mut options = base_options.clone();
+    options.true_sequential = true;
+    let out = dir.path().join("sequential");
+    let sequential = quantize(&model, options.clone(), &out);
+    let error = |r: &Report, name: &str| {
+        r.linears
+            .iter()
+            .find(|l| l.name == format!("model.layers.0.{name}"))
+            .unwrap()
+            .output_error
+            .unwrap()
+    };
+    let relative = |name: &str| {
+        let (a, b) = (error(&base, name), error(&sequential, name));
+        (a - b).abs() / a
+    };
+    for name in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] {
+        assert!(relative(name) < 1e-9, "{name}: {}", relative(name));
+    }
+    for name in [
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ] {
+        assert!(relative(name) > 1e-6, "{name}: {}", relative(name));
+    }
+    assert!(sequential.verify_summary.starts_with("verified ok"));
+    let flag = |dir: &Path, key: &str| {
+        Checkpoint::open(dir).unwrap().config()["quantization_config"][key].as_bool()
+    };
+    assert_eq!(flag(&out, "true_sequential"), Some(true));
+    assert_eq!(
+        flag(&dir.path().join("base"), "true_sequential"),
+        Some(false)
+    );
+    // Random weights: INT4 g128 moves the logits by about half their norm whatever the order;
+    // the bound catches a broken read-back (≈ 1) or a layer quantized from the wrong inputs.
+    let base_rel = logits_relative_error(&model, &dir.path().join("base"), &options);
+    let rel = logits_relative_error(&model, &out, &options);
+    eprintln!("tiny-llama relative logits error: default {base_rel}, true-sequential {rel}");
+    assert!(rel < 0.75, "true-sequential: relative logits error {rel}");
+
+    let mut options = base_options;
+    options.gptq.group_aware_order = true;
+    let out = dir.path().join("gar");
+    let gar = quantize(&model, options.clone(), &out);
+    assert!(gar.verify_summary.starts_with("verified ok"));
+    assert_eq!(flag(&out, "desc_act"), Some(false));
+    let checkpoint = Checkpoint::open(&out).unwrap();
+    let g_idx = checkpoint
+        .tensor_f32("model.layers.0.mlp.down_proj.g_idx")
+        .unwrap();
+    let natural: Vec<f32> = (0..512).map(|j| (j / 128) as f32).collect();
+    assert_eq!(g_idx.values, natural);
+    assert!((gar.total_output_error() - base.total_output_error()).abs() > 0.0);
+    let rel = logits_relative_error(&model, &out, &options);
+    eprintln!("tiny-llama relative logits error: group-aware order {rel}");
+    assert!(rel < 0.75, "group-aware order: relative logits error {rel}");
+}

@@ -212,6 +212,119 @@ fn act_order_with_static_groups_has_a_monotone_g_idx() {
     }
 }
 
+/// GAR's loop order, computed here from its definition: full groups by decreasing maximum
+/// `diag`, columns inside each by decreasing `diag`, a partial last group last.
+fn gar_order(diag: &[f64], gs: usize) -> Vec<usize> {
+    let full = diag.len() / gs;
+    let mut groups: Vec<Vec<usize>> = (0..full)
+        .map(|g| {
+            let mut cols: Vec<usize> = (g * gs..(g + 1) * gs).collect();
+            cols.sort_by(|&a, &b| diag[b].partial_cmp(&diag[a]).unwrap());
+            cols
+        })
+        .collect();
+    let max = |cols: &[usize]| cols.iter().map(|&j| diag[j]).fold(f64::MIN, f64::max);
+    groups.sort_by(|a, b| max(b).partial_cmp(&max(a)).unwrap());
+    let mut order = groups.concat();
+    order.extend(full * gs..diag.len());
+    order
+}
+
+/// Group-aware reordering is GPTQ in the natural order on the problem permuted by GAR's order,
+/// un-permuted: every group keeps its own columns and parameters, `g_idx` stays natural, and
+/// the lazy-block loop agrees with the textbook one in that order too.
+#[test]
+fn group_aware_order_is_natural_gptq_on_the_permuted_problem() {
+    let mut rng = rng(9);
+    let (out, gs) = (16, 32);
+    for inp in [160, 176] {
+        let w = weights(&mut rng, out, inp);
+        let h = correlated_hessian::<f64>(&mut rng, inp, 2, 200);
+        let diag = h.diagonal();
+        let order = gar_order(&diag, gs);
+        assert!(order.iter().enumerate().any(|(c, &j)| c != j), "inp {inp}");
+        let w_perm: Vec<f32> = (0..out * inp)
+            .map(|k| w[(k / inp) * inp + order[k % inp]])
+            .collect();
+        let h_perm: Vec<f64> = (0..inp * inp)
+            .map(|k| h.get(order[k / inp], order[k % inp]))
+            .collect();
+        let h_perm = Hessian::from_row_major(inp, &h_perm).unwrap();
+        let natural_cfg = config(4, IntScheme::SymmetricIst, Some(gs));
+        let gar_cfg = GptqConfig {
+            group_aware_order: true,
+            ..natural_cfg
+        };
+        let natural = Gptq::new(natural_cfg)
+            .unwrap()
+            .solve(&w_perm, out, inp, &h_perm)
+            .unwrap();
+        let gar = Gptq::new(gar_cfg).unwrap().solve(&w, out, inp, &h).unwrap();
+
+        assert_eq!(
+            gar.g_idx,
+            (0..inp).map(|j| (j / gs) as i32).collect::<Vec<_>>()
+        );
+        let unpermuted = |x: &[u8]| -> Vec<u8> {
+            let mut y = vec![0; x.len()];
+            for k in 0..x.len() {
+                y[(k / inp) * inp + order[k % inp]] = x[k];
+            }
+            y
+        };
+        // The mean diagonal (the damping's reference) sums in another order: allow a tie flip.
+        let flipped = unpermuted(&natural.codes)
+            .iter()
+            .zip(&gar.codes)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            flipped * 500 <= out * inp,
+            "inp {inp}: {flipped} codes differ"
+        );
+        let rel = (gar.loss - natural.loss).abs() / natural.loss;
+        assert!(
+            rel < 1e-6,
+            "inp {inp}: loss {} vs {}",
+            gar.loss,
+            natural.loss
+        );
+        // Loop group k of the permuted problem is original group order[k·gs] / gs.
+        let groups = inp.div_ceil(gs);
+        let mut same_params = 0;
+        for k in 0..groups {
+            let g = order[k * gs] / gs;
+            for r in 0..out {
+                same_params += usize::from(gar.params[g * out + r] == natural.params[k * out + r]);
+            }
+        }
+        assert!(same_params * 100 >= 99 * groups * out, "inp {inp}");
+        assert_eq!(gar.pack().unwrap().dequantize().unwrap(), gar.dequantized);
+        let textbook = gptq_sequential(&gar_cfg, &w, out, inp, &h).unwrap();
+        assert!(
+            differing_codes(&gar, &textbook) * 200 <= out * inp,
+            "inp {inp}"
+        );
+        assert_eq!(gar.g_idx, textbook.g_idx);
+    }
+    // GAR is one column order: act-order or no groups are refused.
+    let refused = [
+        GptqConfig {
+            group_aware_order: true,
+            act_order: true,
+            ..config(4, IntScheme::SymmetricIst, Some(gs))
+        },
+        GptqConfig {
+            group_aware_order: true,
+            ..config(4, IntScheme::SymmetricIst, None)
+        },
+    ];
+    for cfg in refused {
+        let err = Gptq::new(cfg).unwrap_err().to_string();
+        assert!(err.contains("group_aware_order"), "{err}");
+    }
+}
+
 #[test]
 fn rank_deficient_hessian_triggers_retries_and_succeeds() {
     let mut rng = rng(6);
