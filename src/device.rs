@@ -3,7 +3,7 @@
 
 use burn::tensor::backend::Backend;
 use clap::ValueEnum;
-use sala_gptq::model::{FastOps, Numerics};
+use sala_gptq::model::{CpuFastOps, FastOps, Numerics};
 use sala_gptq::{
     CpuBackend, CpuSolver, LinearSolver, MemoryProbe, QuantizeOptions, ResidentSolver,
 };
@@ -82,15 +82,22 @@ pub trait DeviceJob {
 /// `--device cuda` without the `cuda` feature. On the GPU the linears are solved there too
 /// (`sala_kernels::DeviceSolver`: cuBLAS trailing updates, CubeCL column loop and block
 /// search) unless `host_solver`.
+///
+/// On the CPU, `cpu_fast_ops` (the run's numerics) runs the layers' products and fused steps
+/// with [`CpuFastOps`] on every core; `None` keeps burn-ndarray's graph ops (the reference).
 pub fn dispatch<J: DeviceJob>(
     device: DeviceArg,
     example: &str,
     host_solver: bool,
+    cpu_fast_ops: Option<Numerics>,
     job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
     match device {
         DeviceArg::Cpu => {
-            job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None, None)
+            let fast = cpu_fast_ops.map(|numerics| {
+                Arc::new(CpuFastOps::new(numerics)) as Arc<dyn FastOps<CpuBackend>>
+            });
+            job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None, fast)
         }
         DeviceArg::Cuda => run_cuda(example, host_solver, job),
     }

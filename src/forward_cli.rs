@@ -51,6 +51,10 @@ pub struct Args {
     /// `meta.json`) into this directory, for `bench/torch_layer.py`.
     #[arg(long)]
     dump: Option<PathBuf>,
+    /// With `--device cpu`: burn-ndarray's graph ops (the reference) instead of the parallel
+    /// CPU fast ops.
+    #[arg(long)]
+    graph_ops: bool,
     /// Run in f32 without bf16 storage (GPU) or rounding.
     #[arg(long)]
     f32: bool,
@@ -160,7 +164,8 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         device_name: format!("{:?}", args.device).to_lowercase(),
         kernel_cache: kernel_cache.into(),
     };
-    let report = dispatch(args.device, "bench_forward", true, job)?;
+    let cpu_fast_ops = (!args.graph_ops).then_some(job.numerics);
+    let report = dispatch(args.device, "bench_forward", true, cpu_fast_ops, job)?;
     print_report(&report);
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
@@ -499,7 +504,18 @@ mod tests {
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
         assert_eq!(written["measurements"][0]["case"], "packed_16_x2");
-        assert_eq!(report.mixers[0].op, "chunked_gla");
+        // The CPU fast ops have causal attention (checked against the graph on the small
+        // cases) and no Simple GLA kernel: the lightning layers run the graph's chunked GLA.
+        let ops: Vec<&str> = report.mixers.iter().map(|m| m.op.as_str()).collect();
+        assert!(
+            ops.contains(&"chunked_gla") && ops.contains(&"causal_attention"),
+            "{ops:?}"
+        );
+        for m in report.mixers.iter().filter(|m| m.op == "causal_attention") {
+            if let Some(diff) = m.max_rel_diff_vs_graph {
+                assert!(diff < 1e-5, "{}: {diff}", m.case);
+            }
+        }
         let meta = std::fs::read_to_string(dir.path().join("dump/meta.json")).unwrap();
         assert!(meta.contains("lightning_single_48"), "{meta}");
         assert!(dir

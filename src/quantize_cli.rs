@@ -165,6 +165,10 @@ pub struct Args {
     /// instead of the GPU kernels.
     #[arg(long)]
     host_solver: bool,
+    /// With `--device cpu`: run the layers with burn-ndarray's graph ops (the reference)
+    /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
+    #[arg(long)]
+    graph_ops: bool,
     /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
     #[arg(long)]
     max_host_memory: Option<u64>,
@@ -425,6 +429,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             line: s.line,
         })
         .collect();
+    let run_numerics = options.run.numerics;
     let job = QuantizeJob {
         options,
         input: &input,
@@ -438,7 +443,13 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let StagedRun {
         report,
         mut checkpoint,
-    } = dispatch(args.device, "quantize_sala", args.host_solver, job)?;
+    } = dispatch(
+        args.device,
+        "quantize_sala",
+        args.host_solver,
+        (!args.graph_ops).then_some(run_numerics),
+        job,
+    )?;
     let value = serde_json::json!({
         "report": &report,
         "calibration": &stats,
@@ -623,7 +634,7 @@ fn resume_identity(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 39] = [
+    let flags: [(&str, String); 40] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -660,6 +671,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--max-device-memory", a.max_device_memory.to_string()),
         ("--host-statistics", a.host_statistics.to_string()),
         ("--host-solver", a.host_solver.to_string()),
+        ("--graph-ops", a.graph_ops.to_string()),
         ("--pack-tokens", a.pack_tokens.to_string()),
         ("--skip-failed-samples", a.skip_failed_samples.to_string()),
         ("--threads", format!("{:?}", a.threads)),

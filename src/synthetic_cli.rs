@@ -148,7 +148,18 @@ pub fn run(args: Args) -> Result<SyntheticReport, Box<dyn Error>> {
         seed: args.seed,
         target_tokens: args.target_tokens,
     };
-    let report = dispatch(args.device, "synthetic_sala", args.host_solver, job)?;
+    let numerics = if args.f32 {
+        sala_gptq::model::Numerics::F32
+    } else {
+        sala_gptq::model::Numerics::Bf16Rounding
+    };
+    let report = dispatch(
+        args.device,
+        "synthetic_sala",
+        args.host_solver,
+        Some(numerics),
+        job,
+    )?;
     print_summary(&report);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

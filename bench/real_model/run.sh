@@ -38,7 +38,8 @@ if [[ $# -ne 2 ]]; then
 fi
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
-BIN_DIR="$1"
+# Absolute: the quantizers run from inside OUT_DIR.
+BIN_DIR="$(cd "$1" 2>/dev/null && pwd || echo "$1")"
 mkdir -p "$2" || { echo "error: cannot create $2" >&2; exit 1; }
 OUT="$(cd "$2" && pwd)"
 WORK="${WORK:-$REPO/target/real-model}"

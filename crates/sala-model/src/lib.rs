@@ -6,7 +6,8 @@
 //! - [`LayerRunner`]: embedding, one decoder layer (one sequence or a pack of them) with a tap
 //!   on every linear's input, logits.
 //! - [`FastOps`]: the seam through which a backend computes heavy steps with its own kernels
-//!   ([`CudaFastOps`] on CUDA: `sala-kernels`' attention, cuBLAS linears), tested against
+//!   ([`CudaFastOps`] on CUDA: `sala-kernels`' attention, cuBLAS linears; [`CpuFastOps`] on
+//!   burn-ndarray: faer GEMMs and fused element-wise passes on every core), tested against
 //!   the graph.
 //! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
 //!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
@@ -19,6 +20,7 @@
 //! it rounds to bf16 is switchable ([`Numerics`]).
 
 pub mod config;
+pub mod cpu_fast;
 pub mod device;
 pub mod error;
 pub mod fast;
@@ -34,6 +36,7 @@ pub use config::{
     HeadDims, HfConfig, LayerKind, LinearSpec, ModelArch, SalaConfig, SparseConfig, TensorSpec,
     TokenIds, EMBED_TOKENS, FINAL_NORM, LM_HEAD,
 };
+pub use cpu_fast::CpuFastOps;
 pub use device::DeviceMemory;
 #[cfg(feature = "cuda")]
 pub use device::{cuda_memory, enable_kernel_cache, kernel_cache_dir, CudaBackend, CudaDevice};

@@ -13,6 +13,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 
@@ -82,16 +83,19 @@ pub fn round_to_bf16<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor
         return tensor.cast(FloatDType::BF16).cast(FloatDType::F32);
     }
     let shape = tensor.shape();
-    let values = tensor
+    let mut values = tensor
         .into_data()
         .convert::<f32>()
         .into_vec::<f32>()
         .expect("an f32 tensor converts to Vec<f32>");
-    let rounded: Vec<f32> = values
-        .into_iter()
-        .map(|v| half::bf16::from_f32(v).to_f32())
-        .collect();
-    Tensor::from_data(TensorData::new(rounded, shape), (&device, DType::F32))
+    // In place and on every core: on the CPU backend this runs after every GEMM and was a
+    // tenth of a calibration run's time as a single-threaded map (perf, SmolLM2-135M).
+    values.par_chunks_mut(1 << 14).for_each(|chunk| {
+        for v in chunk {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+    });
+    Tensor::from_data(TensorData::new(values, shape), (&device, DType::F32))
 }
 
 #[cfg(test)]
