@@ -94,12 +94,16 @@ impl<B: Backend> InputStats<B> {
         fast: Option<&dyn FastOps<B>>,
     ) -> Result<(), (Option<usize>, String)> {
         let [tokens, _] = x.dims();
+        let host = || {
+            fast.and_then(|f| f.to_host(x))
+                .unwrap_or_else(|| host_values(x))
+        };
         match self {
-            InputStats::Full(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
+            InputStats::Full(acc) => add_rows(&host(), lengths, |s, rows, t| {
                 acc.add_sample(rows, t)
                     .map_err(|e| (Some(s), e.to_string()))
             }),
-            InputStats::Diagonal(acc) => add_rows(&host_values(x), lengths, |s, rows, t| {
+            InputStats::Diagonal(acc) => add_rows(&host(), lengths, |s, rows, t| {
                 acc.add_sample(rows, t)
                     .map_err(|e| (Some(s), e.to_string()))
             }),

@@ -12,8 +12,8 @@
 //! GEMM's summation order differs; the tests compare every op and a whole model with the
 //! graph.
 
-use burn::tensor::{DType, Tensor, TensorData};
-use burn_ndarray::NdArray;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn_ndarray::{NdArray, NdArrayTensor};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
@@ -92,12 +92,24 @@ fn sigmoid(x: f32) -> f32 {
     (-((-x).exp() + 1.0).ln()).exp()
 }
 
-/// A tensor's values, row-major f32.
+/// A tensor's values, row-major f32: one copy of the array's slice. (burn's `into_data` on a
+/// tensor whose array is shared, as every tensor the graph still holds is, collects it one
+/// element at a time through a dynamic-dimension iterator: slower than the GEMM itself.)
 fn host_values<const D: usize>(t: &Tensor<Cpu, D>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .into_vec::<f32>()
-        .expect("a burn-ndarray f32 tensor reads as f32")
+    match t.clone().into_primitive().tensor() {
+        NdArrayTensor::F32(storage) => {
+            let view = storage.view();
+            match view.as_slice() {
+                Some(values) => values.to_vec(),
+                None => view.iter().copied().collect(),
+            }
+        }
+        other => Tensor::<Cpu, D>::from_primitive(TensorPrimitive::Float(other))
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("a float tensor converts to f32"),
+    }
 }
 
 /// `values` as a tensor of `shape` on `like`'s device.
@@ -140,43 +152,58 @@ impl FastOps<Cpu> for CpuFastOps {
         let pairs: Vec<(usize, usize)> = (0..lengths.len())
             .flat_map(|s| (0..heads).map(move |h| (s, h)))
             .collect();
-        // Each (sequence, head) pair is independent: its output rows `[len, d]`.
+        // Each (sequence, head) pair is independent: its output rows `[len, d]`, from two
+        // GEMMs (`S = (scale·Q)Kᵀ`, `O = softmax(S)V`; the masked half of `S` is computed and
+        // dropped: a GEMM at full speed beats a causal loop of scalar dot products).
         let blocks: Vec<Vec<f32>> = pairs
             .par_iter()
             .map(|&(s, h)| {
                 let (start, len) = (offsets[s], lengths[s]);
                 let kh = h / group;
-                fn row(t: &[f32], at: usize, d: usize) -> &[f32] {
-                    &t[at..at + d]
-                }
-                let q_at = |tok: usize| ((start + tok) * heads + h) * d;
-                let kv_at = |tok: usize| ((start + tok) * kv_heads + kh) * d;
-                let mut out = vec![0.0f32; len * d];
-                let mut scores = vec![0.0f32; len];
-                let mut scaled_q = vec![0.0f32; d];
-                for i in 0..len {
-                    for (sq, &x) in scaled_q.iter_mut().zip(row(&qv, q_at(i), d)) {
-                        *sq = x * scale;
-                    }
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, score) in scores[..=i].iter_mut().enumerate() {
-                        let key = row(&kv, kv_at(j), d);
-                        *score = scaled_q.iter().zip(key).map(|(a, b)| a * b).sum();
-                        max = max.max(*score);
-                    }
+                let gather = |t: &[f32], width: usize, head: usize, factor: f32| -> Vec<f32> {
+                    (0..len)
+                        .flat_map(|i| {
+                            let at = ((start + i) * width + head) * d;
+                            t[at..at + d].iter().map(move |&x| x * factor)
+                        })
+                        .collect()
+                };
+                let (q, k, v) = (
+                    gather(&qv, heads, h, scale),
+                    gather(&kv, kv_heads, kh, 1.0),
+                    gather(&vv, kv_heads, kh, 1.0),
+                );
+                let mut scores = vec![0.0f32; len * len];
+                matmul(
+                    MatMut::from_column_major_slice_mut(&mut scores, len, len).transpose_mut(),
+                    Accum::Replace,
+                    MatRef::from_column_major_slice(&q, d, len).transpose(),
+                    MatRef::from_column_major_slice(&k, d, len),
+                    1.0f32,
+                    Par::Seq,
+                );
+                for (i, row) in scores.chunks_exact_mut(len.max(1)).enumerate() {
+                    let (kept, masked) = row.split_at_mut(i + 1);
+                    let max = kept.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut sum = 0.0f32;
-                    for score in &mut scores[..=i] {
-                        *score = (*score - max).exp();
-                        sum += *score;
+                    for p in kept.iter_mut() {
+                        *p = (*p - max).exp();
+                        sum += *p;
                     }
-                    let o = &mut out[i * d..(i + 1) * d];
-                    for (j, &p) in scores[..=i].iter().enumerate() {
-                        let weight = p / sum;
-                        for (acc, &x) in o.iter_mut().zip(row(&vv, kv_at(j), d)) {
-                            *acc += weight * x;
-                        }
+                    for p in kept.iter_mut() {
+                        *p /= sum;
                     }
+                    masked.fill(0.0);
                 }
+                let mut out = vec![0.0f32; len * d];
+                matmul(
+                    MatMut::from_column_major_slice_mut(&mut out, d, len).transpose_mut(),
+                    Accum::Replace,
+                    MatRef::from_column_major_slice(&scores, len, len).transpose(),
+                    MatRef::from_column_major_slice(&v, d, len).transpose(),
+                    1.0f32,
+                    Par::Seq,
+                );
                 out
             })
             .collect();
@@ -213,6 +240,10 @@ impl FastOps<Cpu> for CpuFastOps {
             });
         }
         Ok(Some(from_values(y, [tokens, out], x)))
+    }
+
+    fn to_host(&self, x: &Tensor<Cpu, 2>) -> Option<Vec<f32>> {
+        Some(host_values(x))
     }
 
     fn swiglu(&self, gate: &Tensor<Cpu, 2>, up: &Tensor<Cpu, 2>) -> Result<Option<Tensor<Cpu, 2>>> {

@@ -113,6 +113,13 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// `x` `[rows, cols]` as row-major host f32 values; `None` where the backend's own
+    /// download (`into_data`) is the fast way.
+    fn to_host(&self, x: &Tensor<B, 2>) -> Option<Vec<f32>> {
+        let _ = x;
+        None
+    }
+
     /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
     /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
     /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
