@@ -1,5 +1,7 @@
 //! Runs a model directory end to end on a text (or token ids), writes the logits to a
-//! safetensors file and prints the top-5 next tokens.
+//! safetensors file and prints the top-5 next tokens. A quantized checkpoint (its config has a
+//! `quantization_config`) runs with its linears dequantized by our reader, so that its logits
+//! can be compared with another runtime's (`bench/real_model/logits_check.py`).
 //!
 //! ```text
 //! cargo run --release --example sala_logits -- fixtures/tiny-sala "The school was"
@@ -13,6 +15,8 @@ use burn::tensor::Tensor;
 use burn_ndarray::NdArray;
 use clap::Parser;
 use safetensors::tensor::TensorView;
+use sala_gptq::evaluate::checkpoint_logits;
+use sala_gptq::export::Checkpoint;
 use sala_model::{AttentionMode, LayerRunner, Numerics, RunOptions, SalaConfig, TensorStore};
 use tokenizers::Tokenizer;
 
@@ -41,9 +45,10 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
     let args = Args::parse();
-    let config = SalaConfig::from_file(&args.model.join("config.json"))?;
-    let store = TensorStore::open(&args.model)?;
-    store.check_config(&config)?;
+    let config_path = args.model.join("config.json");
+    let config = SalaConfig::from_file(&config_path)?;
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path)?)?;
+    let quantized = raw.get("quantization_config").is_some();
     let tokenizer_path = args.model.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tokenizer_path)
         .map_err(|e| format!("{}: {e}", tokenizer_path.display()))?;
@@ -66,7 +71,14 @@ fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
         ..RunOptions::default()
     };
     let runner = LayerRunner::<B>::new(config, Default::default(), options);
-    let logits = runner.forward_logits(&store, &ids)?;
+    let logits = if quantized {
+        let checkpoint = Checkpoint::open(&args.model)?;
+        checkpoint_logits(&runner, &checkpoint, &ids)?
+    } else {
+        let store = TensorStore::open(&args.model)?;
+        store.check_config(runner.config())?;
+        runner.forward_logits(&store, &ids)?
+    };
     let [tokens, vocab] = logits.dims();
     if let Some(out) = &args.out {
         write_logits(out, logits.clone())?;
