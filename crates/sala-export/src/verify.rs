@@ -380,12 +380,7 @@ impl Verifier<'_> {
         }
         for loader in GptqLoader::ALL {
             if let Some(broken) = loader.bits_violation(config.bits, config.sym) {
-                let refusal = format!("quantization_config: {broken}");
-                self.loaders.entry(loader).or_default().push(refusal);
-                if self.target.required().contains(&loader) {
-                    let detail = format!("{loader}: {broken}");
-                    self.push(Rule::Config, "quantization_config", detail);
-                }
+                self.refuse(loader, Rule::Config, "quantization_config", &broken);
             }
         }
         self.check_group_size("quantization_config", config.group_size);
@@ -408,14 +403,19 @@ impl Verifier<'_> {
 
     fn check_group_size(&mut self, name: &str, group_size: i64) {
         for loader in GptqLoader::ALL {
-            let required = self.target.required().contains(&loader);
             if let Some(detail) = loader.group_violation(group_size) {
-                let refusal = format!("{name}: {detail}");
-                self.loaders.entry(loader).or_default().push(refusal);
-                if required {
-                    self.push(Rule::GroupSize, name, format!("{loader}: {detail}"));
-                }
+                self.refuse(loader, Rule::GroupSize, name, &detail);
             }
+        }
+    }
+
+    /// `loader` refuses `name` because of `detail`: recorded in its verdict, and a violation
+    /// of `rule` when the target requires that loader.
+    fn refuse(&mut self, loader: GptqLoader, rule: Rule, name: &str, detail: &str) {
+        let refusals = self.loaders.entry(loader).or_default();
+        refusals.push(format!("{name}: {detail}"));
+        if self.target.required().contains(&loader) {
+            self.push(rule, name, format!("{loader}: {detail}"));
         }
     }
 
@@ -529,14 +529,8 @@ impl Verifier<'_> {
         let group = usize::try_from(group_size).ok().filter(|&g| g > 0);
         for loader in GptqLoader::ALL {
             let broken = loader.linear_violations(out, inp, bits, group);
-            if broken.is_empty() {
-                continue;
-            }
-            let refusals = self.loaders.entry(loader).or_default();
-            refusals.push(format!("{module}: {}", broken.join(", ")));
-            if self.target.required().contains(&loader) {
-                let detail = format!("{loader}: {}", broken.join(", "));
-                self.push(Rule::LoaderShape, module, detail);
+            if !broken.is_empty() {
+                self.refuse(loader, Rule::LoaderShape, module, &broken.join(", "));
             }
         }
     }

@@ -198,26 +198,25 @@ impl<T: HessianScalar> HessianAccumulator<T> {
             self.tokens += tokens as u64;
             return Ok(());
         }
-        let mut chunk = vec![T::from_f64(0.0); TOKENS_PER_CHUNK.min(tokens) * dim];
-        for rows in activations.chunks(TOKENS_PER_CHUNK * dim) {
-            let n = rows.len() / dim;
-            let buf = &mut chunk[..rows.len()];
-            for (dst, &src) in buf.iter_mut().zip(rows) {
-                *dst = T::from_f32(src.to_f32());
-            }
-            let x = MatRef::from_row_major_slice(buf, n, dim);
-            matmul(
-                self.sum.as_mut(),
-                BlockStructure::TriangularLower,
-                Accum::Add,
-                x.transpose(),
-                BlockStructure::Rectangular,
-                x,
-                BlockStructure::Rectangular,
-                alpha,
-                self.par,
-            );
-        }
+        let (sum, par) = (&mut self.sum, self.par);
+        for_each_chunk(
+            activations,
+            dim,
+            |a| T::from_f32(a.to_f32()),
+            |x| {
+                matmul(
+                    sum.as_mut(),
+                    BlockStructure::TriangularLower,
+                    Accum::Add,
+                    x.transpose(),
+                    BlockStructure::Rectangular,
+                    x,
+                    BlockStructure::Rectangular,
+                    alpha,
+                    par,
+                );
+            },
+        );
         self.samples += 1;
         self.tokens += tokens as u64;
         Ok(())
@@ -261,35 +260,59 @@ fn add_f32_products<T: HessianScalar, A: Activation>(
     alpha: T,
     par: Par,
 ) {
-    let chunk_len = TOKENS_PER_CHUNK.min(activations.len() / dim) * dim;
-    let mut chunk = vec![0f32; chunk_len];
-    for rows in activations.chunks(TOKENS_PER_CHUNK * dim) {
-        let n = rows.len() / dim;
+    for_each_chunk(
+        activations,
+        dim,
+        |a| a.to_f32(),
+        |x| {
+            matmul(
+                scratch.as_mut(),
+                BlockStructure::TriangularLower,
+                Accum::Replace,
+                x.transpose(),
+                BlockStructure::Rectangular,
+                x,
+                BlockStructure::Rectangular,
+                1.0f32,
+                par,
+            );
+            let scratch = &*scratch;
+            sum.par_col_iter_mut()
+                .enumerate()
+                .for_each(|(col, mut column)| {
+                    for row in col..dim {
+                        let product = T::from_f32(scratch[(row, col)]);
+                        column[row] += alpha * product;
+                    }
+                });
+        },
+    );
+}
+
+/// Calls `product` on each chunk of at most `TOKENS_PER_CHUNK` rows of the row-major
+/// `[tokens, dim]` `activations`, converted by `convert` into one reused buffer and viewed as a
+/// row-major `[rows, dim]` matrix.
+fn for_each_chunk<S: Copy, A: Activation>(
+    activations: &[A],
+    dim: usize,
+    convert: impl Fn(A) -> S,
+    mut product: impl FnMut(MatRef<'_, S>),
+) {
+    let chunk_len = TOKENS_PER_CHUNK.min(activations.len() / dim.max(1)) * dim;
+    let Some(&first) = activations.first() else {
+        return;
+    };
+    let mut chunk = vec![convert(first); chunk_len];
+    for rows in activations.chunks(TOKENS_PER_CHUNK * dim.max(1)) {
         let buf = &mut chunk[..rows.len()];
         for (dst, &src) in buf.iter_mut().zip(rows) {
-            *dst = src.to_f32();
+            *dst = convert(src);
         }
-        let x = MatRef::from_row_major_slice(buf, n, dim);
-        matmul(
-            scratch.as_mut(),
-            BlockStructure::TriangularLower,
-            Accum::Replace,
-            x.transpose(),
-            BlockStructure::Rectangular,
-            x,
-            BlockStructure::Rectangular,
-            1.0f32,
-            par,
-        );
-        let scratch = &*scratch;
-        sum.par_col_iter_mut()
-            .enumerate()
-            .for_each(|(col, mut column)| {
-                for row in col..dim {
-                    let product = T::from_f32(scratch[(row, col)]);
-                    column[row] += alpha * product;
-                }
-            });
+        product(MatRef::from_row_major_slice(
+            buf,
+            rows.len() / dim.max(1),
+            dim,
+        ));
     }
 }
 
