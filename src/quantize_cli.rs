@@ -106,11 +106,12 @@ pub struct Args {
     /// GPTQ static groups.
     #[arg(long)]
     static_groups: bool,
-    /// GPTQ group-aware reordering (GAR, GPTQModel's act_group_aware): groups solved by
-    /// decreasing max diag(H), columns inside each by decreasing diag(H); the checkpoint keeps
-    /// the natural g_idx (desc_act false), so every loader serves it.
-    #[arg(long, conflicts_with = "act_order")]
-    group_aware_order: bool,
+    /// GPTQ: solve in the natural column order instead of the default group-aware reordering
+    /// (GAR, GPTQModel's act_group_aware: groups by decreasing max diag(H), columns inside each
+    /// by decreasing diag(H); the checkpoint keeps the natural g_idx either way).
+    /// --act-order replaces both.
+    #[arg(long)]
+    no_group_aware_order: bool,
     /// True-sequential: capture each linear's inputs from the layer whose earlier linears
     /// (attention inputs, o_proj, gate/up) are already quantized; one more forward pass of the
     /// layer per input group.
@@ -655,7 +656,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--grid", format!("{:?}", a.grid)),
         ("--act-order", a.act_order.to_string()),
         ("--static-groups", a.static_groups.to_string()),
-        ("--group-aware-order", a.group_aware_order.to_string()),
+        ("--no-group-aware-order", a.no_group_aware_order.to_string()),
         ("--true-sequential", a.true_sequential.to_string()),
         ("--rtn-fallback", a.rtn_fallback.to_string()),
         ("--rtn", a.rtn.to_string()),
@@ -771,7 +772,7 @@ fn options_from(
     options.gptq.damping.percdamp = args.damp;
     options.gptq.act_order = args.act_order;
     options.gptq.static_groups = args.static_groups;
-    options.gptq.group_aware_order = args.group_aware_order;
+    options.gptq.group_aware_order = !args.no_group_aware_order;
     options.true_sequential = args.true_sequential;
     options.gptq.rtn_fallback = args.rtn_fallback;
     options.gptq.rtn = args.rtn;

@@ -20,7 +20,7 @@ use burn::tensor::Tensor;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
-use sala_hessian::{ChannelStats, Gptq, GptqConfig as SolverConfig, Hessian, IntGrid, Method};
+use sala_hessian::{ChannelStats, Gptq, Hessian, Method};
 use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
     SalaConfig,
@@ -698,25 +698,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     ) -> Result<SolvedLinear, PipelineError> {
         let (out, inp) = (linear.out_features, linear.in_features);
         let opts = &self.options.gptq;
-        let grid = IntGrid {
-            bits,
-            scheme: opts.scheme,
-            group_size: Some(group_size),
-            clip: opts.clip,
-        };
+        let config = opts.solver_config(bits, group_size);
+        let grid = config.grid;
         let solve_err = |source| PipelineError::Solve {
             linear: linear.name.clone(),
             source,
-        };
-        let config = SolverConfig {
-            grid,
-            block_size: opts.block_size,
-            act_order: opts.act_order,
-            static_groups: opts.static_groups,
-            group_aware_order: opts.group_aware_order,
-            damping: opts.damping,
-            on_failure: opts.failure_policy(),
-            proxy_error: true,
         };
         // The options are checked here whatever the solver (and even under --rtn).
         Gptq::new(config).map_err(solve_err)?;

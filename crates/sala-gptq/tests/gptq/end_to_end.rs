@@ -238,7 +238,10 @@ fn a_smollm_shaped_llama_quantizes_for_the_torch_kernels() {
 fn true_sequential_and_group_aware_order_run_end_to_end() {
     let model = fixtures().join("tiny-llama");
     let dir = tempfile::tempdir().unwrap();
-    let base_options = QuantizeOptions::new(Recipe::Gptq);
+    let mut base_options = QuantizeOptions::new(Recipe::Gptq);
+    // GAR is the default; the natural order is the baseline here.
+    assert!(base_options.gptq.group_aware_order);
+    base_options.gptq.group_aware_order = false;
     let base = quantize(&model, base_options.clone(), &dir.path().join("base"));
     let mut options = base_options.clone();
     options.true_sequential = true;
