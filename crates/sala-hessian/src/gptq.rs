@@ -336,6 +336,7 @@ fn subtract_update(
         .upper
         .submatrix(rows.start, cols.start, rows.len(), cols.len());
     matmul(dst, Accum::Add, lhs, rhs, -1.0f32, Par::rayon(0));
+    sala_cpu::clear_upper_state_everywhere();
 }
 
 /// The block length actually used: shortened so that a group never starts inside a block and

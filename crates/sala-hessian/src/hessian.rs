@@ -215,6 +215,7 @@ impl<T: HessianScalar> HessianAccumulator<T> {
                     alpha,
                     par,
                 );
+                sala_cpu::clear_upper_state_everywhere();
             },
         );
         self.samples += 1;
@@ -276,6 +277,7 @@ fn add_f32_products<T: HessianScalar, A: Activation>(
                 1.0f32,
                 par,
             );
+            sala_cpu::clear_upper_state_everywhere();
             let scratch = &*scratch;
             sum.par_col_iter_mut()
                 .enumerate()

@@ -306,6 +306,7 @@ fn try_inverse_upper<T: HessianScalar>(
     .ok()?;
     let mut l_inv = Mat::<T>::zeros(n, n);
     invert_lower_triangular(l_inv.as_mut(), a.as_ref(), par);
+    sala_cpu::clear_upper_state_everywhere();
     // U = R⁻¹ = J Lr⁻¹ J.
     let upper = Mat::<f32>::from_fn(n, n, |i, j| {
         if i > j {

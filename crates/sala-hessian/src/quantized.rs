@@ -210,6 +210,7 @@ pub(crate) fn proxy_error<T: HessianScalar>(
             T::from_f64(1.0),
             Par::rayon(0),
         );
+        sala_cpu::clear_upper_state_everywhere();
         total += chunk_quadratic_form(d.as_ref(), y.as_ref(), hm);
     }
     total

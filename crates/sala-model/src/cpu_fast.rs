@@ -58,6 +58,16 @@ impl CpuFastOps {
         }
     }
 
+    /// One row of RMSNorm in place, as the graph computes it: the mean square and the division
+    /// in f32, `round(round(x / √(mean(x²) + eps)) · w)`.
+    fn rms_norm_row(&self, row: &mut [f32], weight: &[f32], eps: f32) {
+        let mean_square = row.iter().map(|&v| v * v).sum::<f32>() / row.len().max(1) as f32;
+        let rms = (mean_square + eps).sqrt();
+        for (v, &w) in row.iter_mut().zip(weight) {
+            *v = self.round(self.round(*v / rms) * w);
+        }
+    }
+
     /// `f(a, b)` element by element over two tensors of one shape, on every core.
     fn zip_map(
         &self,
@@ -90,6 +100,199 @@ impl CpuFastOps {
 #[inline]
 fn sigmoid(x: f32) -> f32 {
     (-((-x).exp() + 1.0).ln()).exp()
+}
+
+/// The row-major `[len, d]` view of head `head`'s rows `start..start + len` in a packed
+/// `[tokens, width, d]` tensor's values (rows `width·d` apart): no copy.
+fn head_rows(
+    values: &[f32],
+    start: usize,
+    len: usize,
+    width: usize,
+    head: usize,
+    d: usize,
+) -> MatRef<'_, f32> {
+    if len == 0 {
+        return MatRef::from_column_major_slice(&[], d, 0).transpose();
+    }
+    let at = (start * width + head) * d;
+    MatRef::from_column_major_slice_with_stride(&values[at..], d, len, width * d).transpose()
+}
+
+/// Writes each `(sequence, head)` pair's `[len, d]` rows into `out` `[tokens, heads, d]`.
+fn scatter_heads(
+    out: &mut [f32],
+    pairs: &[(usize, usize)],
+    blocks: &[Vec<f32>],
+    offsets: &[usize],
+    heads: usize,
+    d: usize,
+) {
+    for (&(s, h), block) in pairs.iter().zip(blocks) {
+        for (i, values) in block.chunks_exact(d.max(1)).enumerate() {
+            let at = ((offsets[s] + i) * heads + h) * d;
+            out[at..at + d].copy_from_slice(values);
+        }
+    }
+}
+
+/// Tokens per chunk of [`gla_one_head`] (the graph's default `gla_chunk`).
+const GLA_CHUNK: usize = 64;
+
+/// Simple GLA of one head of one sequence, `q`, `k`, `v` `[len, d]` (`q` not yet scaled), log
+/// decay `g`: `o_t = scale · q_t S_t`, `S_t = e^g S_{t−1} + k_tᵀ v_t`; returns `[len, d]`
+/// row-major f32. Chunk by chunk of [`GLA_CHUNK`] tokens with the state `S` `[d, d]` carried:
+/// within a chunk `o = ((scale·q kᵀ) ⊙ D) v + (scale·q ⊙ γ^{i+1}) S`, `D_ij = γ^{i−j}` for
+/// `j ≤ i`; then `S ← γ^L S + (k ⊙ γ^{L−1−j})ᵀ v`. Every power of γ is `exp(g·n)` in f64,
+/// stored as f32, as the graph's [`crate::ops::gla::chunked`] takes them.
+fn gla_one_head(
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    g: f64,
+    scale: f32,
+) -> Vec<f32> {
+    let (len, d) = (q.nrows(), q.ncols());
+    let power = |n: usize| (g * n as f64).exp() as f32;
+    let chunk = GLA_CHUNK.min(len.max(1));
+    let intra_mask: Vec<f32> = (0..chunk)
+        .flat_map(|i| (0..chunk).map(move |j| if j <= i { power(i - j) } else { 0.0 }))
+        .collect();
+    let mut out = vec![0.0f32; len * d];
+    let mut state = vec![0.0f32; d * d];
+    let mut scores = vec![0.0f32; chunk * chunk];
+    let mut decayed_q = vec![0.0f32; chunk * d];
+    let mut decayed_k = vec![0.0f32; chunk * d];
+    for first in (0..len).step_by(chunk) {
+        let rows = chunk.min(len - first);
+        let (qc, kc, vc) = (
+            q.subrows(first, rows),
+            k.subrows(first, rows),
+            v.subrows(first, rows),
+        );
+        let scores = &mut scores[..rows * rows];
+        matmul(
+            MatMut::from_column_major_slice_mut(scores, rows, rows).transpose_mut(),
+            Accum::Replace,
+            qc,
+            kc.transpose(),
+            scale,
+            Par::Seq,
+        );
+        sala_cpu::clear_upper_state();
+        for (i, row) in scores.chunks_exact_mut(rows).enumerate() {
+            for (p, &m) in row.iter_mut().zip(&intra_mask[i * chunk..]) {
+                *p *= m;
+            }
+        }
+        for i in 0..rows {
+            let factor = scale * power(i + 1);
+            for j in 0..d {
+                decayed_q[i * d + j] = qc[(i, j)] * factor;
+            }
+            let factor = power(rows - 1 - i);
+            for j in 0..d {
+                decayed_k[i * d + j] = kc[(i, j)] * factor;
+            }
+        }
+        let out_rows =
+            MatMut::from_column_major_slice_mut(&mut out[first * d..(first + rows) * d], d, rows)
+                .transpose_mut();
+        let state_ref = MatRef::from_column_major_slice(&state, d, d).transpose();
+        let decayed_q =
+            MatRef::from_column_major_slice(&decayed_q[..rows * d], d, rows).transpose();
+        matmul(
+            out_rows,
+            Accum::Replace,
+            decayed_q,
+            state_ref,
+            1.0f32,
+            Par::Seq,
+        );
+        let out_rows =
+            MatMut::from_column_major_slice_mut(&mut out[first * d..(first + rows) * d], d, rows)
+                .transpose_mut();
+        let scores_ref = MatRef::from_column_major_slice(scores, rows, rows).transpose();
+        matmul(out_rows, Accum::Add, scores_ref, vc, 1.0f32, Par::Seq);
+        sala_cpu::clear_upper_state();
+        let carried = power(rows);
+        for s in state.iter_mut() {
+            *s *= carried;
+        }
+        let decayed_k =
+            MatRef::from_column_major_slice(&decayed_k[..rows * d], d, rows).transpose();
+        matmul(
+            MatMut::from_column_major_slice_mut(&mut state, d, d).transpose_mut(),
+            Accum::Add,
+            decayed_k.transpose(),
+            vc,
+            1.0f32,
+            Par::Seq,
+        );
+        sala_cpu::clear_upper_state();
+    }
+    out
+}
+
+/// Query rows per block of [`attend_one_head`]: a block's scores (`rows × keys`) stay small
+/// enough for the cache, and the keys after a block's last row (the masked triangle) are never
+/// multiplied.
+const QUERY_BLOCK: usize = 128;
+
+/// Causal softmax attention of one head of one sequence: `q`, `k`, `v` `[len, d]`, scores
+/// `scale · q·kᵀ` (softmax in f32 over the keys `0..=i` of query `i`); returns `[len, d]`
+/// row-major. Queries go in blocks of [`QUERY_BLOCK`] rows, each against the keys up to its
+/// last row: two GEMMs per block (a GEMM at full speed beats a loop of scalar dot products),
+/// about half the products of the full square.
+fn attend_one_head(
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    scale: f32,
+) -> Vec<f32> {
+    let (len, d) = (q.nrows(), q.ncols());
+    let mut out = vec![0.0f32; len * d];
+    let mut scores = vec![0.0f32; QUERY_BLOCK.min(len) * len];
+    for first in (0..len).step_by(QUERY_BLOCK) {
+        let rows = QUERY_BLOCK.min(len - first);
+        let keys = first + rows;
+        let block = &mut scores[..rows * keys];
+        matmul(
+            MatMut::from_column_major_slice_mut(block, keys, rows).transpose_mut(),
+            Accum::Replace,
+            q.subrows(first, rows),
+            k.subrows(0, keys).transpose(),
+            scale,
+            Par::Seq,
+        );
+        // The product's kernels left this thread's upper vector state dirty: the softmax's
+        // `exp` would pay for it on every call (sala-cpu says why).
+        sala_cpu::clear_upper_state();
+        for (i, row) in block.chunks_exact_mut(keys).enumerate() {
+            let (kept, masked) = row.split_at_mut(first + i + 1);
+            let max = kept.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for p in kept.iter_mut() {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            for p in kept.iter_mut() {
+                *p /= sum;
+            }
+            masked.fill(0.0);
+        }
+        matmul(
+            MatMut::from_column_major_slice_mut(&mut out[first * d..keys * d], d, rows)
+                .transpose_mut(),
+            Accum::Replace,
+            MatRef::from_column_major_slice(block, keys, rows).transpose(),
+            v.subrows(0, keys),
+            1.0f32,
+            Par::Seq,
+        );
+        sala_cpu::clear_upper_state();
+    }
+    out
 }
 
 /// A tensor's values, row-major f32: one copy of the array's slice. (burn's `into_data` on a
@@ -152,68 +355,21 @@ impl FastOps<Cpu> for CpuFastOps {
         let pairs: Vec<(usize, usize)> = (0..lengths.len())
             .flat_map(|s| (0..heads).map(move |h| (s, h)))
             .collect();
-        // Each (sequence, head) pair is independent: its output rows `[len, d]`, from two
-        // GEMMs (`S = (scale·Q)Kᵀ`, `O = softmax(S)V`; the masked half of `S` is computed and
-        // dropped: a GEMM at full speed beats a causal loop of scalar dot products).
         let blocks: Vec<Vec<f32>> = pairs
             .par_iter()
             .map(|&(s, h)| {
                 let (start, len) = (offsets[s], lengths[s]);
                 let kh = h / group;
-                let gather = |t: &[f32], width: usize, head: usize, factor: f32| -> Vec<f32> {
-                    (0..len)
-                        .flat_map(|i| {
-                            let at = ((start + i) * width + head) * d;
-                            t[at..at + d].iter().map(move |&x| x * factor)
-                        })
-                        .collect()
-                };
-                let (q, k, v) = (
-                    gather(&qv, heads, h, scale),
-                    gather(&kv, kv_heads, kh, 1.0),
-                    gather(&vv, kv_heads, kh, 1.0),
-                );
-                let mut scores = vec![0.0f32; len * len];
-                matmul(
-                    MatMut::from_column_major_slice_mut(&mut scores, len, len).transpose_mut(),
-                    Accum::Replace,
-                    MatRef::from_column_major_slice(&q, d, len).transpose(),
-                    MatRef::from_column_major_slice(&k, d, len),
-                    1.0f32,
-                    Par::Seq,
-                );
-                for (i, row) in scores.chunks_exact_mut(len.max(1)).enumerate() {
-                    let (kept, masked) = row.split_at_mut(i + 1);
-                    let max = kept.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0.0f32;
-                    for p in kept.iter_mut() {
-                        *p = (*p - max).exp();
-                        sum += *p;
-                    }
-                    for p in kept.iter_mut() {
-                        *p /= sum;
-                    }
-                    masked.fill(0.0);
-                }
-                let mut out = vec![0.0f32; len * d];
-                matmul(
-                    MatMut::from_column_major_slice_mut(&mut out, d, len).transpose_mut(),
-                    Accum::Replace,
-                    MatRef::from_column_major_slice(&scores, len, len).transpose(),
-                    MatRef::from_column_major_slice(&v, d, len).transpose(),
-                    1.0f32,
-                    Par::Seq,
-                );
-                out
+                attend_one_head(
+                    head_rows(&qv, start, len, heads, h, d),
+                    head_rows(&kv, start, len, kv_heads, kh, d),
+                    head_rows(&vv, start, len, kv_heads, kh, d),
+                    scale,
+                )
             })
             .collect();
         let mut out = vec![0.0f32; tokens * heads * d];
-        for (&(s, h), block) in pairs.iter().zip(&blocks) {
-            for (i, values) in block.chunks_exact(d.max(1)).enumerate() {
-                let at = ((offsets[s] + i) * heads + h) * d;
-                out[at..at + d].copy_from_slice(values);
-            }
-        }
+        scatter_heads(&mut out, &pairs, &blocks, &offsets, heads, d);
         Ok(from_values(out, [tokens, heads, d], &q))
     }
 
@@ -232,6 +388,9 @@ impl FastOps<Cpu> for CpuFastOps {
         let rhs = MatRef::from_column_major_slice(&wv, inp, out);
         let dst = MatMut::from_column_major_slice_mut(&mut y, out, tokens).transpose_mut();
         matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+        // Its kernels ran on the pool's threads and left their upper vector state dirty: every
+        // element-wise pass after it would run several times slower (sala-cpu says why).
+        sala_cpu::clear_upper_state_everywhere();
         if self.rounds() {
             y.par_chunks_mut(CHUNK).for_each(|chunk| {
                 for v in chunk {
@@ -240,6 +399,149 @@ impl FastOps<Cpu> for CpuFastOps {
             });
         }
         Ok(Some(from_values(y, [tokens, out], x)))
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Tensor<Cpu, 2>,
+        weight: &Tensor<Cpu, 1>,
+        eps: f64,
+    ) -> Result<Option<Tensor<Cpu, 2>>> {
+        let [rows, n] = x.dims();
+        let w = host_values(weight);
+        if w.len() != n {
+            return Err(ModelError::InvalidInput(format!(
+                "rms norm: input [{rows}, {n}] against weight [{}]",
+                w.len()
+            )));
+        }
+        let mut values = host_values(x);
+        values.par_chunks_mut(n.max(1)).for_each(|row| {
+            self.rms_norm_row(row, &w, eps as f32);
+        });
+        Ok(Some(from_values(values, [rows, n], x)))
+    }
+
+    fn scaled_residual(
+        &self,
+        hidden: &Tensor<Cpu, 2>,
+        branch: &Tensor<Cpu, 2>,
+        scale: f64,
+    ) -> Result<Option<Tensor<Cpu, 2>>> {
+        let scale = scale as f32;
+        self.zip_map(hidden, branch, "scaled residual", |h, b| {
+            self.round(h + self.round(b * scale))
+        })
+        .map(Some)
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &Tensor<Cpu, 3>,
+        weight: &Tensor<Cpu, 1>,
+        eps: f64,
+        cos: &Tensor<Cpu, 2>,
+        sin: &Tensor<Cpu, 2>,
+        lengths: &[usize],
+    ) -> Result<Option<Tensor<Cpu, 3>>> {
+        let [tokens, heads, d] = x.dims();
+        let [positions, table_d] = cos.dims();
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let w = host_values(weight);
+        let shapes_agree = w.len() == d
+            && d % 2 == 0
+            && cos.dims() == sin.dims()
+            && table_d == d
+            && longest <= positions
+            && lengths.iter().sum::<usize>() == tokens;
+        if !shapes_agree {
+            return Err(ModelError::InvalidInput(format!(
+                "rms norm + rope: x {:?}, weight [{}], tables {:?} for sequences of \
+                 {lengths:?} tokens",
+                x.dims(),
+                w.len(),
+                cos.dims()
+            )));
+        }
+        let (cos, sin) = (host_values(cos), host_values(sin));
+        let positions: Vec<usize> = lengths.iter().flat_map(|&len| 0..len).collect();
+        let mut values = host_values(x);
+        values
+            .par_chunks_mut((heads * d).max(1))
+            .zip(positions.par_iter())
+            .for_each(|(token, &p)| {
+                let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
+                let mut normed = vec![0.0f32; d];
+                for row in token.chunks_exact_mut(d.max(1)) {
+                    self.rms_norm_row(row, &w, eps as f32);
+                    normed.copy_from_slice(row);
+                    // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
+                    let half = d / 2;
+                    for (i, out) in row.iter_mut().enumerate() {
+                        let rotated = if i < half {
+                            -normed[i + half]
+                        } else {
+                            normed[i - half]
+                        };
+                        *out = self.round(normed[i] * cos[i] + rotated * sin[i]);
+                    }
+                }
+            });
+        Ok(Some(from_values(values, [tokens, heads, d], x)))
+    }
+
+    fn simple_gla(
+        &self,
+        q: &Tensor<Cpu, 3>,
+        k: &Tensor<Cpu, 3>,
+        v: &Tensor<Cpu, 3>,
+        lengths: &[usize],
+        log_decays: &[f64],
+        scale: f32,
+    ) -> Result<Option<Tensor<Cpu, 2>>> {
+        let [tokens, heads, d] = q.dims();
+        let shapes_agree = k.dims() == q.dims()
+            && v.dims() == q.dims()
+            && log_decays.len() == heads
+            && lengths.iter().sum::<usize>() == tokens;
+        if !shapes_agree {
+            return Err(ModelError::InvalidInput(format!(
+                "simple GLA: q {:?}, k {:?}, v {:?}, {} decays for sequences of {lengths:?} \
+                 tokens",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                log_decays.len()
+            )));
+        }
+        let (qv, kv, vv) = (host_values(q), host_values(k), host_values(v));
+        let offsets = sequence_offsets(lengths);
+        let pairs: Vec<(usize, usize)> = (0..lengths.len())
+            .flat_map(|s| (0..heads).map(move |h| (s, h)))
+            .collect();
+        let blocks: Vec<Vec<f32>> = pairs
+            .par_iter()
+            .map(|&(s, h)| {
+                let (start, len) = (offsets[s], lengths[s]);
+                gla_one_head(
+                    head_rows(&qv, start, len, heads, h, d),
+                    head_rows(&kv, start, len, heads, h, d),
+                    head_rows(&vv, start, len, heads, h, d),
+                    log_decays[h],
+                    scale,
+                )
+            })
+            .collect();
+        let mut out = vec![0.0f32; tokens * heads * d];
+        scatter_heads(&mut out, &pairs, &blocks, &offsets, heads, d);
+        if self.rounds() {
+            out.par_chunks_mut(CHUNK).for_each(|chunk| {
+                for v in chunk {
+                    *v = self.round(*v);
+                }
+            });
+        }
+        Ok(Some(from_values(out, [tokens, heads * d], q)))
     }
 
     fn to_host(&self, x: &Tensor<Cpu, 2>) -> Option<Vec<f32>> {
@@ -343,10 +645,150 @@ mod tests {
         }
     }
 
+    /// The bound of [`linear_matches_the_graph`]: f32 rounding of another summation order, or
+    /// one bf16 step where it tips a tie.
+    fn summation_bound(numerics: Numerics) -> f32 {
+        if numerics == Numerics::F32 {
+            1e-5
+        } else {
+            1.0 / 128.0
+        }
+    }
+
+    #[test]
+    fn rms_norm_and_scaled_residual_match_the_graph() {
+        use crate::ops::norm::rms_norm;
+        for numerics in BOTH {
+            let ops = CpuFastOps::new(numerics);
+            let (x, b) = (
+                tensor([29, 72], 10, numerics),
+                tensor([29, 72], 11, numerics),
+            );
+            let w = tensor([72], 12, numerics);
+            let fast = ops.rms_norm(&x, &w, 1e-6).unwrap().unwrap();
+            let graph = rms_norm(x.clone(), w.clone(), 1e-6, numerics);
+            let rel = max_relative(fast, graph, 1.0);
+            assert!(rel <= summation_bound(numerics), "{numerics:?}: {rel}");
+            // Same operations in the same order: exact.
+            let fast = ops.scaled_residual(&x, &b, 0.3).unwrap().unwrap();
+            let graph = numerics.round(x.clone() + numerics.round(b.clone().mul_scalar(0.3)));
+            assert_eq!(host_values(&fast), host_values(&graph), "{numerics:?}");
+        }
+        let ops = CpuFastOps::new(Numerics::F32);
+        let bad = ops.rms_norm(
+            &tensor([3, 8], 13, Numerics::F32),
+            &tensor([9], 14, Numerics::F32),
+            1e-6,
+        );
+        assert!(bad.unwrap_err().to_string().contains("rms norm"));
+    }
+
+    #[test]
+    fn rms_norm_rope_matches_the_graph_per_sequence() {
+        use crate::ops::norm::rms_norm;
+        use crate::ops::rope::{apply_rope, RopeTables};
+        let (heads, d) = (3, 16);
+        let lengths = [7, 1, 40, 12];
+        let tokens: usize = lengths.iter().sum();
+        let device = Default::default();
+        let tables = RopeTables::<Cpu>::new(50, d, 10000.0, &device);
+        for numerics in BOTH {
+            let ops = CpuFastOps::new(numerics);
+            let (x, w) = (
+                tensor([tokens, heads, d], 15, numerics),
+                tensor([d], 16, numerics),
+            );
+            let fast = ops
+                .rms_norm_rope(&x, &w, 1e-6, &tables.cos, &tables.sin, &lengths)
+                .unwrap()
+                .unwrap();
+            let normed = rms_norm(
+                x.clone().reshape([tokens * heads, d]),
+                w.clone(),
+                1e-6,
+                numerics,
+            )
+            .reshape([tokens, heads, d]);
+            let graph = apply_rope(normed, &tables.for_pack(&lengths).unwrap(), numerics);
+            let rel = max_relative(fast, graph, 1.0);
+            assert!(rel <= summation_bound(numerics), "{numerics:?}: {rel}");
+            let bad = ops.rms_norm_rope(&x, &w, 1e-6, &tables.cos, &tables.sin, &[tokens - 1]);
+            assert!(bad.unwrap_err().to_string().contains("rope"));
+        }
+    }
+
+    #[test]
+    fn simple_gla_matches_the_graph_and_the_recurrence() {
+        use crate::ops::gla::{chunked, log_decays, recurrent_reference};
+        let (heads, d) = (4, 8);
+        // 150 tokens: three chunks, the last one partial.
+        let lengths = [3, 150, 64, 1];
+        let tokens: usize = lengths.iter().sum();
+        let decays = log_decays(heads);
+        let scale = 0.35f32;
+        for numerics in BOTH {
+            let ops = CpuFastOps::new(numerics);
+            let (q, k, v) = (
+                tensor([tokens, heads, d], 17, numerics),
+                tensor([tokens, heads, d], 18, numerics),
+                tensor([tokens, heads, d], 19, numerics),
+            );
+            let fast = ops
+                .simple_gla(&q, &k, &v, &lengths, &decays, scale)
+                .unwrap()
+                .unwrap();
+            let offsets = sequence_offsets(&lengths);
+            let (qv, kv, vv) = (host_values(&q), host_values(&k), host_values(&v));
+            let mut graph = Vec::new();
+            let mut oracle = Vec::new();
+            for (s, &len) in lengths.iter().enumerate() {
+                let rows = offsets[s]..offsets[s + 1];
+                let by_head = |x: &Tensor<Cpu, 3>| {
+                    x.clone()
+                        .slice([rows.clone(), 0..heads, 0..d])
+                        .swap_dims(0, 1)
+                };
+                let out = chunked(
+                    by_head(&q).mul_scalar(scale),
+                    by_head(&k),
+                    by_head(&v),
+                    &decays,
+                    64,
+                );
+                graph.push(numerics.round(out.swap_dims(0, 1).reshape([len, heads * d])));
+                let span = offsets[s] * heads * d..offsets[s + 1] * heads * d;
+                let scaled: Vec<f32> = qv[span.clone()].iter().map(|x| x * scale).collect();
+                oracle.extend(recurrent_reference(
+                    &scaled,
+                    &kv[span.clone()],
+                    &vv[span],
+                    len,
+                    heads,
+                    d,
+                    &decays,
+                ));
+            }
+            let rel = max_relative(fast.clone(), Tensor::cat(graph, 0), 1.0);
+            assert!(
+                rel <= 10.0 * summation_bound(numerics),
+                "{numerics:?}: {rel}"
+            );
+            let oracle = from_values(oracle, [tokens, heads * d], &fast);
+            let rel = max_relative(fast, numerics.round(oracle), 1.0);
+            assert!(
+                rel <= 10.0 * summation_bound(numerics),
+                "{numerics:?}: {rel}"
+            );
+            let bad = ops.simple_gla(&q, &k, &v, &lengths, &decays[..2], scale);
+            assert!(bad.unwrap_err().to_string().contains("simple GLA"));
+        }
+    }
+
     #[test]
     fn causal_attention_matches_the_graph_per_sequence() {
         let (heads, kv_heads, d) = (6, 2, 16);
-        let lengths = [5, 17, 1, 9];
+        // 300 tokens: three query blocks, the last one partial.
+        let lengths = [5, 17, 1, 300, 9];
         let tokens: usize = lengths.iter().sum();
         let n = Numerics::F32;
         let (q, k, v) = (
