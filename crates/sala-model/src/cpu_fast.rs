@@ -83,15 +83,19 @@ impl CpuFastOps {
                 b.dims()
             )));
         }
-        let mut out = host_values(a);
-        let other = host_values(b);
-        out.par_chunks_mut(CHUNK)
-            .zip(other.par_chunks(CHUNK))
-            .for_each(|(o, b)| {
-                for (x, &y) in o.iter_mut().zip(b) {
-                    *x = f(*x, y);
-                }
-            });
+        let out = with_values(a, |a| {
+            with_values(b, |b| {
+                let mut out = vec![0.0f32; a.len()];
+                out.par_chunks_mut(CHUNK)
+                    .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+                    .for_each(|(o, (a, b))| {
+                        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+                            *o = f(x, y);
+                        }
+                    });
+                out
+            })
+        });
         Ok(from_values(out, a.dims(), a))
     }
 }
@@ -299,19 +303,27 @@ fn attend_one_head(
 /// tensor whose array is shared, as every tensor the graph still holds is, collects it one
 /// element at a time through a dynamic-dimension iterator: slower than the GEMM itself.)
 fn host_values<const D: usize>(t: &Tensor<Cpu, D>) -> Vec<f32> {
+    with_values(t, <[f32]>::to_vec)
+}
+
+/// `f` of a tensor's row-major f32 values, borrowed from the array where it is contiguous
+/// (no copy: the inputs of a layer's products are read several times), else collected once.
+fn with_values<const D: usize, R>(t: &Tensor<Cpu, D>, f: impl FnOnce(&[f32]) -> R) -> R {
     match t.clone().into_primitive().tensor() {
         NdArrayTensor::F32(storage) => {
             let view = storage.view();
             match view.as_slice() {
-                Some(values) => values.to_vec(),
-                None => view.iter().copied().collect(),
+                Some(values) => f(values),
+                None => f(&view.iter().copied().collect::<Vec<f32>>()),
             }
         }
-        other => Tensor::<Cpu, D>::from_primitive(TensorPrimitive::Float(other))
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("a float tensor converts to f32"),
+        other => f(
+            &Tensor::<Cpu, D>::from_primitive(TensorPrimitive::Float(other))
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("a float tensor converts to f32"),
+        ),
     }
 }
 
@@ -380,14 +392,17 @@ impl FastOps<Cpu> for CpuFastOps {
                 "linear: input [{tokens}, {inp}] against weight [{out}, {w_inp}]"
             )));
         }
-        let (xv, wv) = (host_values(x), host_values(w));
         let mut y = vec![0.0f32; tokens * out];
-        // Row-major views built as transposed column-major ones (faer's row-major stride
-        // constructors are avoided: see sala-hessian's GPTQ loop).
-        let lhs = MatRef::from_column_major_slice(&xv, inp, tokens).transpose();
-        let rhs = MatRef::from_column_major_slice(&wv, inp, out);
-        let dst = MatMut::from_column_major_slice_mut(&mut y, out, tokens).transpose_mut();
-        matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+        with_values(x, |xv| {
+            with_values(w, |wv| {
+                // Row-major views built as transposed column-major ones (faer's row-major
+                // stride constructors are avoided: see sala-hessian's GPTQ loop).
+                let lhs = MatRef::from_column_major_slice(xv, inp, tokens).transpose();
+                let rhs = MatRef::from_column_major_slice(wv, inp, out);
+                let dst = MatMut::from_column_major_slice_mut(&mut y, out, tokens).transpose_mut();
+                matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+            })
+        });
         // Its kernels ran on the pool's threads and left their upper vector state dirty: every
         // element-wise pass after it would run several times slower (sala-cpu says why).
         sala_cpu::clear_upper_state_everywhere();
