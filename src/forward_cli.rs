@@ -504,17 +504,24 @@ mod tests {
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
         assert_eq!(written["measurements"][0]["case"], "packed_16_x2");
-        // The CPU fast ops have causal attention (checked against the graph on the small
-        // cases) and no Simple GLA kernel: the lightning layers run the graph's chunked GLA.
+        // The CPU fast ops have causal attention and Simple GLA, each checked against the graph
+        // on the small cases: attention to f32 rounding; GLA's output is rounded once to the
+        // storage dtype, the graph's is not (within one bf16 step of the largest value).
         let ops: Vec<&str> = report.mixers.iter().map(|m| m.op.as_str()).collect();
         assert!(
-            ops.contains(&"chunked_gla") && ops.contains(&"causal_attention"),
+            ops.contains(&"simple_gla") && ops.contains(&"causal_attention"),
             "{ops:?}"
         );
-        for m in report.mixers.iter().filter(|m| m.op == "causal_attention") {
-            if let Some(diff) = m.max_rel_diff_vs_graph {
-                assert!(diff < 1e-5, "{}: {diff}", m.case);
-            }
+        for m in &report.mixers {
+            let bound = if m.op == "causal_attention" {
+                1e-5
+            } else {
+                1.0 / 128.0
+            };
+            let diff = m
+                .max_rel_diff_vs_graph
+                .unwrap_or_else(|| panic!("{} {}: not checked against the graph", m.op, m.case));
+            assert!(diff < bound, "{} {}: {diff}", m.op, m.case);
         }
         let meta = std::fs::read_to_string(dir.path().join("dump/meta.json")).unwrap();
         assert!(meta.contains("lightning_single_48"), "{meta}");

@@ -3,14 +3,16 @@
 //!
 //! Why: burn-ndarray runs each element-wise op as its own single-threaded pass (and a strided
 //! copy where a view is not contiguous), so a calibration forward on 2 cores kept about 1.3 of
-//! them busy. Profiled on SmolLM2-135M (`perf record`, 8 samples × 512 tokens): the graph's
-//! matmuls took about a quarter of the time, and the bf16 rounding after every product, the
-//! per-sequence attention and the copies most of the rest. Here a linear is one faer GEMM
-//! with the rounding fused into the same parallel pass, SwiGLU and the sigmoid gates are one
-//! parallel pass each, and causal attention runs (sequence, head) pairs in parallel. Each op
-//! computes what the graph computes (same formulas, f32, the same rounding points), only the
-//! GEMM's summation order differs; the tests compare every op and a whole model with the
-//! graph.
+//! them busy. Here a linear is one faer GEMM with the rounding fused into the same parallel
+//! pass; SwiGLU, the sigmoid gates, RMSNorm, the scaled residual adds and the per-head
+//! RMSNorm + RoPE are one parallel pass each; causal attention runs (sequence, head) pairs in
+//! parallel, each in query blocks that skip the masked triangle; Simple GLA runs the same pairs
+//! chunk by chunk with the state carried. Inputs are read in place where the array is
+//! contiguous. Each op computes what the graph computes (same formulas, f32, the same rounding
+//! points); summation orders differ in the products and the norms' mean squares. The tests
+//! compare every op with the graph (and GLA with the recurrence). After every faer product the
+//! upper vector state is cleared (`sala-cpu` says why: without it the `exp`/`ln` calls after
+//! a GEMM ran up to 20× slower on AVX-512 Xeons).
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_ndarray::{NdArray, NdArrayTensor};
