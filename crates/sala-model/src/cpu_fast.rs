@@ -60,6 +60,17 @@ impl CpuFastOps {
         }
     }
 
+    /// Every value rounded as the numerics say, in place on every core.
+    fn round_all(&self, values: &mut [f32]) {
+        if self.rounds() {
+            values.par_chunks_mut(CHUNK).for_each(|chunk| {
+                for v in chunk {
+                    *v = self.round(*v);
+                }
+            });
+        }
+    }
+
     /// One row of RMSNorm in place, as the graph computes it: the mean square and the division
     /// in f32, `round(round(x / √(mean(x²) + eps)) · w)`.
     fn rms_norm_row(&self, row: &mut [f32], weight: &[f32], eps: f32) {
@@ -125,21 +136,32 @@ fn head_rows(
     MatRef::from_column_major_slice_with_stride(&values[at..], d, len, width * d).transpose()
 }
 
-/// Writes each `(sequence, head)` pair's `[len, d]` rows into `out` `[tokens, heads, d]`.
-fn scatter_heads(
-    out: &mut [f32],
-    pairs: &[(usize, usize)],
-    blocks: &[Vec<f32>],
-    offsets: &[usize],
+/// `head(start, len, h)` for every (sequence, head) pair of a pack of sequences of `lengths`
+/// tokens, in parallel, each giving that head's rows `[len, d]`; laid out as
+/// `[Σ lengths, heads, d]`.
+fn for_each_sequence_head(
+    lengths: &[usize],
     heads: usize,
     d: usize,
-) {
-    for (&(s, h), block) in pairs.iter().zip(blocks) {
+    head: impl Fn(usize, usize, usize) -> Vec<f32> + Sync,
+) -> Vec<f32> {
+    let offsets = sequence_offsets(lengths);
+    let pairs: Vec<(usize, usize)> = (0..lengths.len())
+        .flat_map(|s| (0..heads).map(move |h| (s, h)))
+        .collect();
+    let blocks: Vec<Vec<f32>> = pairs
+        .par_iter()
+        .map(|&(s, h)| head(offsets[s], lengths[s], h))
+        .collect();
+    let tokens = offsets.last().copied().unwrap_or(0);
+    let mut out = vec![0.0f32; tokens * heads * d];
+    for (&(s, h), block) in pairs.iter().zip(&blocks) {
         for (i, values) in block.chunks_exact(d.max(1)).enumerate() {
             let at = ((offsets[s] + i) * heads + h) * d;
             out[at..at + d].copy_from_slice(values);
         }
     }
+    out
 }
 
 /// Tokens per chunk of [`gla_one_head`] (the graph's default `gla_chunk`).
@@ -365,25 +387,15 @@ impl FastOps<Cpu> for CpuFastOps {
         }
         let (qv, kv, vv) = (host_values(&q), host_values(&k), host_values(&v));
         let group = heads / kv_heads;
-        let offsets = sequence_offsets(lengths);
-        let pairs: Vec<(usize, usize)> = (0..lengths.len())
-            .flat_map(|s| (0..heads).map(move |h| (s, h)))
-            .collect();
-        let blocks: Vec<Vec<f32>> = pairs
-            .par_iter()
-            .map(|&(s, h)| {
-                let (start, len) = (offsets[s], lengths[s]);
-                let kh = h / group;
-                attend_one_head(
-                    head_rows(&qv, start, len, heads, h, d),
-                    head_rows(&kv, start, len, kv_heads, kh, d),
-                    head_rows(&vv, start, len, kv_heads, kh, d),
-                    scale,
-                )
-            })
-            .collect();
-        let mut out = vec![0.0f32; tokens * heads * d];
-        scatter_heads(&mut out, &pairs, &blocks, &offsets, heads, d);
+        let out = for_each_sequence_head(lengths, heads, d, |start, len, h| {
+            let kh = h / group;
+            attend_one_head(
+                head_rows(&qv, start, len, heads, h, d),
+                head_rows(&kv, start, len, kv_heads, kh, d),
+                head_rows(&vv, start, len, kv_heads, kh, d),
+                scale,
+            )
+        });
         Ok(from_values(out, [tokens, heads, d], &q))
     }
 
@@ -408,13 +420,7 @@ impl FastOps<Cpu> for CpuFastOps {
         // Its kernels ran on the pool's threads and left their upper vector state dirty: every
         // element-wise pass after it would run several times slower (sala-cpu says why).
         sala_cpu::clear_upper_state_everywhere();
-        if self.rounds() {
-            y.par_chunks_mut(CHUNK).for_each(|chunk| {
-                for v in chunk {
-                    *v = self.round(*v);
-                }
-            });
-        }
+        self.round_all(&mut y);
         Ok(Some(from_values(y, [tokens, out], x)))
     }
 
@@ -532,32 +538,16 @@ impl FastOps<Cpu> for CpuFastOps {
             )));
         }
         let (qv, kv, vv) = (host_values(q), host_values(k), host_values(v));
-        let offsets = sequence_offsets(lengths);
-        let pairs: Vec<(usize, usize)> = (0..lengths.len())
-            .flat_map(|s| (0..heads).map(move |h| (s, h)))
-            .collect();
-        let blocks: Vec<Vec<f32>> = pairs
-            .par_iter()
-            .map(|&(s, h)| {
-                let (start, len) = (offsets[s], lengths[s]);
-                gla_one_head(
-                    head_rows(&qv, start, len, heads, h, d),
-                    head_rows(&kv, start, len, heads, h, d),
-                    head_rows(&vv, start, len, heads, h, d),
-                    log_decays[h],
-                    scale,
-                )
-            })
-            .collect();
-        let mut out = vec![0.0f32; tokens * heads * d];
-        scatter_heads(&mut out, &pairs, &blocks, &offsets, heads, d);
-        if self.rounds() {
-            out.par_chunks_mut(CHUNK).for_each(|chunk| {
-                for v in chunk {
-                    *v = self.round(*v);
-                }
-            });
-        }
+        let mut out = for_each_sequence_head(lengths, heads, d, |start, len, h| {
+            gla_one_head(
+                head_rows(&qv, start, len, heads, h, d),
+                head_rows(&kv, start, len, heads, h, d),
+                head_rows(&vv, start, len, heads, h, d),
+                log_decays[h],
+                scale,
+            )
+        });
+        self.round_all(&mut out);
         Ok(Some(from_values(out, [tokens, heads * d], q)))
     }
 
