@@ -181,10 +181,14 @@ fn gla_one_head(
     scale: f32,
 ) -> Vec<f32> {
     let (len, d) = (q.nrows(), q.ncols());
-    let power = |n: usize| (g * n as f64).exp() as f32;
     let chunk = GLA_CHUNK.min(len.max(1));
+    // γ^n for n = 0..=chunk, each taken once per head (not per row of every chunk).
+    let power: Vec<f32> = (0..=chunk).map(|n| (g * n as f64).exp() as f32).collect();
     let intra_mask: Vec<f32> = (0..chunk)
-        .flat_map(|i| (0..chunk).map(move |j| if j <= i { power(i - j) } else { 0.0 }))
+        .flat_map(|i| {
+            let power = &power;
+            (0..chunk).map(move |j| if j <= i { power[i - j] } else { 0.0 })
+        })
         .collect();
     let mut out = vec![0.0f32; len * d];
     let mut state = vec![0.0f32; d * d];
@@ -214,11 +218,11 @@ fn gla_one_head(
             }
         }
         for i in 0..rows {
-            let factor = scale * power(i + 1);
+            let factor = scale * power[i + 1];
             for j in 0..d {
                 decayed_q[i * d + j] = qc[(i, j)] * factor;
             }
-            let factor = power(rows - 1 - i);
+            let factor = power[rows - 1 - i];
             for j in 0..d {
                 decayed_k[i * d + j] = kc[(i, j)] * factor;
             }
@@ -243,7 +247,7 @@ fn gla_one_head(
         let scores_ref = MatRef::from_column_major_slice(scores, rows, rows).transpose();
         matmul(out_rows, Accum::Add, scores_ref, vc, 1.0f32, Par::Seq);
         sala_cpu::clear_upper_state();
-        let carried = power(rows);
+        let carried = power[rows];
         for s in state.iter_mut() {
             *s *= carried;
         }
@@ -385,16 +389,21 @@ impl FastOps<Cpu> for CpuFastOps {
                 v.dims()
             )));
         }
-        let (qv, kv, vv) = (host_values(&q), host_values(&k), host_values(&v));
         let group = heads / kv_heads;
-        let out = for_each_sequence_head(lengths, heads, d, |start, len, h| {
-            let kh = h / group;
-            attend_one_head(
-                head_rows(&qv, start, len, heads, h, d),
-                head_rows(&kv, start, len, kv_heads, kh, d),
-                head_rows(&vv, start, len, kv_heads, kh, d),
-                scale,
-            )
+        let out = with_values(&q, |qv| {
+            with_values(&k, |kv| {
+                with_values(&v, |vv| {
+                    for_each_sequence_head(lengths, heads, d, |start, len, h| {
+                        let kh = h / group;
+                        attend_one_head(
+                            head_rows(qv, start, len, heads, h, d),
+                            head_rows(kv, start, len, kv_heads, kh, d),
+                            head_rows(vv, start, len, kv_heads, kh, d),
+                            scale,
+                        )
+                    })
+                })
+            })
         });
         Ok(from_values(out, [tokens, heads, d], &q))
     }
@@ -492,24 +501,26 @@ impl FastOps<Cpu> for CpuFastOps {
         values
             .par_chunks_mut((heads * d).max(1))
             .zip(positions.par_iter())
-            .for_each(|(token, &p)| {
-                let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
-                let mut normed = vec![0.0f32; d];
-                for row in token.chunks_exact_mut(d.max(1)) {
-                    self.rms_norm_row(row, &w, eps as f32);
-                    normed.copy_from_slice(row);
-                    // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
-                    let half = d / 2;
-                    for (i, out) in row.iter_mut().enumerate() {
-                        let rotated = if i < half {
-                            -normed[i + half]
-                        } else {
-                            normed[i - half]
-                        };
-                        *out = self.round(normed[i] * cos[i] + rotated * sin[i]);
+            .for_each_init(
+                || vec![0.0f32; d],
+                |normed, (token, &p)| {
+                    let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
+                    for row in token.chunks_exact_mut(d.max(1)) {
+                        self.rms_norm_row(row, &w, eps as f32);
+                        normed.copy_from_slice(row);
+                        // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
+                        let half = d / 2;
+                        for (i, out) in row.iter_mut().enumerate() {
+                            let rotated = if i < half {
+                                -normed[i + half]
+                            } else {
+                                normed[i - half]
+                            };
+                            *out = self.round(normed[i] * cos[i] + rotated * sin[i]);
+                        }
                     }
-                }
-            });
+                },
+            );
         Ok(Some(from_values(values, [tokens, heads, d], x)))
     }
 
@@ -537,15 +548,20 @@ impl FastOps<Cpu> for CpuFastOps {
                 log_decays.len()
             )));
         }
-        let (qv, kv, vv) = (host_values(q), host_values(k), host_values(v));
-        let mut out = for_each_sequence_head(lengths, heads, d, |start, len, h| {
-            gla_one_head(
-                head_rows(&qv, start, len, heads, h, d),
-                head_rows(&kv, start, len, heads, h, d),
-                head_rows(&vv, start, len, heads, h, d),
-                log_decays[h],
-                scale,
-            )
+        let mut out = with_values(q, |qv| {
+            with_values(k, |kv| {
+                with_values(v, |vv| {
+                    for_each_sequence_head(lengths, heads, d, |start, len, h| {
+                        gla_one_head(
+                            head_rows(qv, start, len, heads, h, d),
+                            head_rows(kv, start, len, heads, h, d),
+                            head_rows(vv, start, len, heads, h, d),
+                            log_decays[h],
+                            scale,
+                        )
+                    })
+                })
+            })
         });
         self.round_all(&mut out);
         Ok(Some(from_values(out, [tokens, heads * d], q)))
