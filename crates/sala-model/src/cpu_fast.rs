@@ -9,7 +9,9 @@
 //! parallel, each in query blocks that skip the masked triangle; Simple GLA runs the same pairs
 //! chunk by chunk with the state carried. Inputs are read in place where the array is
 //! contiguous. Each op computes what the graph computes (same formulas, f32, the same rounding
-//! points); summation orders differ in the products and the norms' mean squares. The tests
+//! points); summation orders differ in the products and the norms' mean squares, `exp` is
+//! `sala-cpu`'s eight-lane one (within 1 ulp of libm's), and the sigmoid is `1/(1 + e^−x)` as
+//! PyTorch computes it (burn's `exp(−ln(1 + e^−x))` costs three libm calls per value). The tests
 //! compare every op with the graph (and GLA with the recurrence). After every faer product the
 //! upper vector state is cleared (`sala-cpu` says why: without it the `exp`/`ln` calls after
 //! a GEMM ran up to 20× slower on AVX-512 Xeons).
@@ -81,13 +83,14 @@ impl CpuFastOps {
         }
     }
 
-    /// `f(a, b)` element by element over two tensors of one shape, on every core.
+    /// `f(out, a, b)` over matching chunks of two tensors of one shape (each chunk's output
+    /// written by `f`), on every core.
     fn zip_map(
         &self,
         a: &Tensor<Cpu, 2>,
         b: &Tensor<Cpu, 2>,
         what: &str,
-        f: impl Fn(f32, f32) -> f32 + Sync,
+        f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
     ) -> Result<Tensor<Cpu, 2>> {
         if a.dims() != b.dims() {
             return Err(ModelError::InvalidInput(format!(
@@ -101,22 +104,12 @@ impl CpuFastOps {
                 let mut out = vec![0.0f32; a.len()];
                 out.par_chunks_mut(CHUNK)
                     .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                    .for_each(|(o, (a, b))| {
-                        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
-                            *o = f(x, y);
-                        }
-                    });
+                    .for_each(|(o, (a, b))| f(o, a, b));
                 out
             })
         });
         Ok(from_values(out, a.dims(), a))
     }
-}
-
-/// burn's sigmoid as burn-backend computes it, `exp(−ln(1 + exp(−x)))` in f32.
-#[inline]
-fn sigmoid(x: f32) -> f32 {
-    (-((-x).exp() + 1.0).ln()).exp()
 }
 
 /// The row-major `[len, d]` view of head `head`'s rows `start..start + len` in a packed
@@ -302,15 +295,7 @@ fn attend_one_head(
         sala_cpu::clear_upper_state();
         for (i, row) in block.chunks_exact_mut(keys).enumerate() {
             let (kept, masked) = row.split_at_mut(first + i + 1);
-            let max = kept.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for p in kept.iter_mut() {
-                *p = (*p - max).exp();
-                sum += *p;
-            }
-            for p in kept.iter_mut() {
-                *p /= sum;
-            }
+            sala_cpu::softmax_in_place(kept);
             masked.fill(0.0);
         }
         matmul(
@@ -461,8 +446,10 @@ impl FastOps<Cpu> for CpuFastOps {
         scale: f64,
     ) -> Result<Option<Tensor<Cpu, 2>>> {
         let scale = scale as f32;
-        self.zip_map(hidden, branch, "scaled residual", |h, b| {
-            self.round(h + self.round(b * scale))
+        self.zip_map(hidden, branch, "scaled residual", |out, h, b| {
+            for ((o, &h), &b) in out.iter_mut().zip(h).zip(b) {
+                *o = self.round(h + self.round(b * scale));
+            }
         })
         .map(Some)
     }
@@ -572,8 +559,12 @@ impl FastOps<Cpu> for CpuFastOps {
     }
 
     fn swiglu(&self, gate: &Tensor<Cpu, 2>, up: &Tensor<Cpu, 2>) -> Result<Option<Tensor<Cpu, 2>>> {
-        self.zip_map(gate, up, "swiglu", |g, u| {
-            self.round(self.round(g * sigmoid(g)) * u)
+        // `out` holds σ(gate) first, then the gated product.
+        self.zip_map(gate, up, "swiglu", |out, g, u| {
+            sala_cpu::sigmoid_into(out, g);
+            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                *o = self.round(self.round(g * *o) * u);
+            }
         })
         .map(Some)
     }
@@ -583,8 +574,11 @@ impl FastOps<Cpu> for CpuFastOps {
         x: &Tensor<Cpu, 2>,
         gate: &Tensor<Cpu, 2>,
     ) -> Result<Option<Tensor<Cpu, 2>>> {
-        self.zip_map(x, gate, "sigmoid gate", |x, g| {
-            self.round(x * self.round(sigmoid(g)))
+        self.zip_map(x, gate, "sigmoid gate", |out, x, g| {
+            sala_cpu::sigmoid_into(out, g);
+            for (o, &x) in out.iter_mut().zip(x) {
+                *o = self.round(x * self.round(*o));
+            }
         })
         .map(Some)
     }
@@ -655,17 +649,50 @@ mod tests {
     }
 
     #[test]
-    fn swiglu_and_sigmoid_gates_match_the_graph_exactly() {
+    fn swiglu_and_sigmoid_gates_match_the_graph() {
+        // σ here is 1/(1 + e^−x) with an eight-lane exp; burn's is exp(−ln(1 + e^−x)) with
+        // libm's: a few f32 ulps apart, which tips a bf16 rounding now and then.
         for numerics in BOTH {
             let ops = CpuFastOps::new(numerics);
             let (a, b) = (tensor([33, 70], 5, numerics), tensor([33, 70], 6, numerics));
+            // (bound, least share of values equal): f32 differs in the last bits of most
+            // values; bf16 rounding hides those except where they tip a rounding.
+            let bound = if numerics == Numerics::F32 {
+                (1e-5, 0.5)
+            } else {
+                (1.0 / 128.0, 0.9)
+            };
             let fast = ops.swiglu(&a, &b).unwrap().unwrap();
             let graph = numerics.round(numerics.round(silu(a.clone())) * b.clone());
-            assert_eq!(host_values(&fast), host_values(&graph), "{numerics:?}");
+            assert_close_mostly_equal(fast, graph, bound, &format!("swiglu {numerics:?}"));
             let fast = ops.sigmoid_gate(&a, &b).unwrap().unwrap();
             let graph = numerics.round(a.clone() * numerics.round(graph_sigmoid(b.clone())));
-            assert_eq!(host_values(&fast), host_values(&graph), "{numerics:?}");
+            assert_close_mostly_equal(fast, graph, bound, &format!("gate {numerics:?}"));
         }
+    }
+
+    /// Every value within `bound.0` (relative, floor 1e-6) and at least the share `bound.1` of
+    /// them equal.
+    fn assert_close_mostly_equal(
+        fast: Tensor<Cpu, 2>,
+        graph: Tensor<Cpu, 2>,
+        (bound, least_equal): (f32, f64),
+        what: &str,
+    ) {
+        let (fast, graph) = (host_values(&fast), host_values(&graph));
+        let equal = fast.iter().zip(&graph).filter(|(a, b)| a == b).count();
+        let share = equal as f64 / fast.len() as f64;
+        assert!(
+            share >= least_equal,
+            "{what}: only {equal} of {} equal",
+            fast.len()
+        );
+        let rel = fast
+            .iter()
+            .zip(&graph)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1e-6))
+            .fold(0.0, f32::max);
+        assert!(rel <= bound, "{what}: {rel}");
     }
 
     /// The bound of [`linear_matches_the_graph`]: f32 rounding of another summation order, or
