@@ -83,6 +83,63 @@ impl CpuFastOps {
         }
     }
 
+    /// RoPE of every head row of `x` `[tokens, heads, d]` at positions restarting with each
+    /// sequence of `lengths`, read from `cos`, `sin` `[positions, d]`, after an RMSNorm of the
+    /// row with `(weight, eps)` where `norm` is given: one parallel pass over the tokens.
+    fn rotate_heads(
+        &self,
+        x: &Tensor<Cpu, 3>,
+        norm: Option<(&[f32], f32)>,
+        cos: &Tensor<Cpu, 2>,
+        sin: &Tensor<Cpu, 2>,
+        lengths: &[usize],
+    ) -> Result<Tensor<Cpu, 3>> {
+        let [tokens, heads, d] = x.dims();
+        let [positions, table_d] = cos.dims();
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let shapes_agree = d % 2 == 0
+            && cos.dims() == sin.dims()
+            && table_d == d
+            && longest <= positions
+            && lengths.iter().sum::<usize>() == tokens;
+        if !shapes_agree {
+            return Err(ModelError::InvalidInput(format!(
+                "rope: x {:?}, tables {:?} for sequences of {lengths:?} tokens",
+                x.dims(),
+                cos.dims()
+            )));
+        }
+        let (cos, sin) = (host_values(cos), host_values(sin));
+        let positions: Vec<usize> = lengths.iter().flat_map(|&len| 0..len).collect();
+        let mut values = host_values(x);
+        values
+            .par_chunks_mut((heads * d).max(1))
+            .zip(positions.par_iter())
+            .for_each_init(
+                || vec![0.0f32; d],
+                |input, (token, &p)| {
+                    let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
+                    for row in token.chunks_exact_mut(d.max(1)) {
+                        if let Some((weight, eps)) = norm {
+                            self.rms_norm_row(row, weight, eps);
+                        }
+                        input.copy_from_slice(row);
+                        // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
+                        let half = d / 2;
+                        for (i, out) in row.iter_mut().enumerate() {
+                            let rotated = if i < half {
+                                -input[i + half]
+                            } else {
+                                input[i - half]
+                            };
+                            *out = self.round(input[i] * cos[i] + rotated * sin[i]);
+                        }
+                    }
+                },
+            );
+        Ok(from_values(values, [tokens, heads, d], x))
+    }
+
     /// `f(out, a, b)` over matching chunks of two tensors of one shape (each chunk's output
     /// written by `f`), on every core.
     fn zip_map(
@@ -101,7 +158,7 @@ impl CpuFastOps {
         }
         let out = with_values(a, |a| {
             with_values(b, |b| {
-                let mut out = vec![0.0f32; a.len()];
+                let mut out = zeros(a.len());
                 out.par_chunks_mut(CHUNK)
                     .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
                     .for_each(|(o, (a, b))| f(o, a, b));
@@ -147,13 +204,23 @@ fn for_each_sequence_head(
         .map(|&(s, h)| head(offsets[s], lengths[s], h))
         .collect();
     let tokens = offsets.last().copied().unwrap_or(0);
-    let mut out = vec![0.0f32; tokens * heads * d];
-    for (&(s, h), block) in pairs.iter().zip(&blocks) {
-        for (i, values) in block.chunks_exact(d.max(1)).enumerate() {
-            let at = ((offsets[s] + i) * heads + h) * d;
-            out[at..at + d].copy_from_slice(values);
-        }
-    }
+    // Laid out token by token on every core: token `t` of sequence `s` (row `t − offsets[s]`
+    // of its blocks) gathers one row of `d` from each head's block.
+    let sequence_of: Vec<usize> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(s, &len)| std::iter::repeat_n(s, len))
+        .collect();
+    let mut out = zeros(tokens * heads * d);
+    out.par_chunks_mut((heads * d).max(1))
+        .zip(sequence_of.par_iter())
+        .enumerate()
+        .for_each(|(t, (row, &s))| {
+            let i = t - offsets[s];
+            for (h, values) in row.chunks_exact_mut(d.max(1)).enumerate() {
+                values.copy_from_slice(&blocks[s * heads + h][i * d..(i + 1) * d]);
+            }
+        });
     out
 }
 
@@ -316,7 +383,23 @@ fn attend_one_head(
 /// tensor whose array is shared, as every tensor the graph still holds is, collects it one
 /// element at a time through a dynamic-dimension iterator: slower than the GEMM itself.)
 fn host_values<const D: usize>(t: &Tensor<Cpu, D>) -> Vec<f32> {
-    with_values(t, <[f32]>::to_vec)
+    with_values(t, copy_of)
+}
+
+/// `n` zeros, written on every core. A fresh buffer of a layer's size is fresh pages: the
+/// first write faults each one in, and one thread doing that (plus the zeroing) for a
+/// `[tokens, 1536]` product took as long as a parallel pass over it.
+fn zeros(n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n);
+    out.par_extend(rayon::iter::repeat_n(0.0f32, n));
+    out
+}
+
+/// A copy of `values`, written on every core (see [`zeros`]).
+fn copy_of(values: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(values.len());
+    out.par_extend(values.par_iter().copied());
+    out
 }
 
 /// `f` of a tensor's row-major f32 values, borrowed from the array where it is contiguous
@@ -400,7 +483,7 @@ impl FastOps<Cpu> for CpuFastOps {
                 "linear: input [{tokens}, {inp}] against weight [{out}, {w_inp}]"
             )));
         }
-        let mut y = vec![0.0f32; tokens * out];
+        let mut y = zeros(tokens * out);
         with_values(x, |xv| {
             with_values(w, |wv| {
                 // Row-major views built as transposed column-major ones (faer's row-major
@@ -463,52 +546,26 @@ impl FastOps<Cpu> for CpuFastOps {
         sin: &Tensor<Cpu, 2>,
         lengths: &[usize],
     ) -> Result<Option<Tensor<Cpu, 3>>> {
-        let [tokens, heads, d] = x.dims();
-        let [positions, table_d] = cos.dims();
-        let longest = lengths.iter().copied().max().unwrap_or(0);
         let w = host_values(weight);
-        let shapes_agree = w.len() == d
-            && d % 2 == 0
-            && cos.dims() == sin.dims()
-            && table_d == d
-            && longest <= positions
-            && lengths.iter().sum::<usize>() == tokens;
-        if !shapes_agree {
+        if w.len() != x.dims()[2] {
             return Err(ModelError::InvalidInput(format!(
-                "rms norm + rope: x {:?}, weight [{}], tables {:?} for sequences of \
-                 {lengths:?} tokens",
+                "rms norm + rope: x {:?} against weight [{}]",
                 x.dims(),
-                w.len(),
-                cos.dims()
+                w.len()
             )));
         }
-        let (cos, sin) = (host_values(cos), host_values(sin));
-        let positions: Vec<usize> = lengths.iter().flat_map(|&len| 0..len).collect();
-        let mut values = host_values(x);
-        values
-            .par_chunks_mut((heads * d).max(1))
-            .zip(positions.par_iter())
-            .for_each_init(
-                || vec![0.0f32; d],
-                |normed, (token, &p)| {
-                    let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
-                    for row in token.chunks_exact_mut(d.max(1)) {
-                        self.rms_norm_row(row, &w, eps as f32);
-                        normed.copy_from_slice(row);
-                        // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
-                        let half = d / 2;
-                        for (i, out) in row.iter_mut().enumerate() {
-                            let rotated = if i < half {
-                                -normed[i + half]
-                            } else {
-                                normed[i - half]
-                            };
-                            *out = self.round(normed[i] * cos[i] + rotated * sin[i]);
-                        }
-                    }
-                },
-            );
-        Ok(Some(from_values(values, [tokens, heads, d], x)))
+        self.rotate_heads(x, Some((&w, eps as f32)), cos, sin, lengths)
+            .map(Some)
+    }
+
+    fn rope(
+        &self,
+        x: &Tensor<Cpu, 3>,
+        cos: &Tensor<Cpu, 2>,
+        sin: &Tensor<Cpu, 2>,
+        lengths: &[usize],
+    ) -> Result<Option<Tensor<Cpu, 3>>> {
+        self.rotate_heads(x, None, cos, sin, lengths).map(Some)
     }
 
     fn simple_gla(
@@ -731,6 +788,31 @@ mod tests {
             1e-6,
         );
         assert!(bad.unwrap_err().to_string().contains("rms norm"));
+    }
+
+    #[test]
+    fn rope_matches_the_graph_per_sequence() {
+        use crate::ops::rope::{apply_rope, RopeTables};
+        let (heads, d) = (3, 16);
+        let lengths = [7, 1, 40, 12];
+        let tokens: usize = lengths.iter().sum();
+        let tables = RopeTables::<Cpu>::new(50, d, 10000.0, &Default::default());
+        for numerics in BOTH {
+            let ops = CpuFastOps::new(numerics);
+            let x = tensor([tokens, heads, d], 17, numerics);
+            let fast = ops
+                .rope(&x, &tables.cos, &tables.sin, &lengths)
+                .unwrap()
+                .unwrap();
+            let graph = apply_rope(x.clone(), &tables.for_pack(&lengths).unwrap(), numerics);
+            // Same products and one sum per value: equal.
+            assert_eq!(host_values(&fast), host_values(&graph), "{numerics:?}");
+            let bad = ops.rope(&x, &tables.cos, &tables.sin, &[tokens + 1]);
+            assert!(bad.unwrap_err().to_string().contains("rope"));
+            let short = RopeTables::<Cpu>::new(39, d, 10000.0, &Default::default());
+            let bad = ops.rope(&x, &short.cos, &short.sin, &lengths);
+            assert!(bad.unwrap_err().to_string().contains("rope"));
+        }
     }
 
     #[test]

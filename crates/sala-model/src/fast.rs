@@ -76,6 +76,21 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// RoPE of `x` `[tokens, heads, d]` (storage dtype) at positions restarting with each
+    /// sequence of `lengths`, read from the f32 tables `cos`, `sin` `[positions, d]`: the
+    /// graph's [`crate::ops::rope::apply_rope`] (Llama's q and k), rounded where it rounds.
+    /// `Ok(None)` as [`FastOps::swiglu`].
+    fn rope(
+        &self,
+        x: &Tensor<B, 3>,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> Result<Option<Tensor<B, 3>>> {
+        let _ = (x, cos, sin, lengths);
+        Ok(None)
+    }
+
     /// Per-head RMSNorm then RoPE: for `x` `[tokens, heads, d]` (storage dtype) the graph's
     /// [`crate::ops::norm::rms_norm`] of every head with `weight` `[d]`, then
     /// [`crate::ops::rope::apply_rope`] at positions restarting with each sequence of `lengths`,

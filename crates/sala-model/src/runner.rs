@@ -668,6 +668,31 @@ impl<B: Backend> LayerRunner<B> {
         Ok(self.round(concat_rows(outs)))
     }
 
+    /// RoPE of `q` and `k` `[tokens, heads, d]` at positions restarting with each sequence of
+    /// `lengths`: the [`FastOps`] kernel where it has one, else the graph's rotation.
+    fn rope(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        lengths: &[usize],
+    ) -> Result<[Tensor<B, 3>; 2]> {
+        let d = q.dims()[2];
+        if let Some(fast) = &self.fast {
+            let tables = self.rope_cache(lengths, d)?;
+            let q_rotated = fast.rope(&q, &tables.cos, &tables.sin, lengths)?;
+            let k_rotated = fast.rope(&k, &tables.cos, &tables.sin, lengths)?;
+            if let (Some(q), Some(k)) = (q_rotated, k_rotated) {
+                return Ok([q, k]);
+            }
+        }
+        let tables = self.rope_tables(lengths, d)?;
+        let numerics = self.options.numerics;
+        Ok([
+            apply_rope(q, &tables, numerics),
+            apply_rope(k, &tables, numerics),
+        ])
+    }
+
     /// RoPE tables covering every sequence of `lengths`, one row per token of the pack.
     fn rope_tables(&self, lengths: &[usize], head_dim: usize) -> Result<RopeTables<B>> {
         self.rope_cache(lengths, head_dim)?.for_pack(lengths)
@@ -750,9 +775,7 @@ impl<B: Backend> LayerRunner<B> {
     ) -> Result<Tensor<B, 2>> {
         let dims = self.config.attention_heads();
         let [q, k, v] = self.project_qkv(&a, dims, apply)?;
-        let rope = self.rope_tables(lengths, dims.head_dim)?;
-        let q = apply_rope(q, &rope, self.options.numerics);
-        let k = apply_rope(k, &rope, self.options.numerics);
+        let [q, k] = self.rope(q, k, lengths)?;
         let att = self.softmax_attention(q, k, v, lengths)?;
         apply(
             "self_attn.o_proj",
