@@ -56,7 +56,7 @@ impl CpuFastOps {
     #[inline]
     fn round(&self, v: f32) -> f32 {
         if self.rounds() {
-            half::bf16::from_f32(v).to_f32()
+            crate::numerics::nearest_bf16(v)
         } else {
             v
         }

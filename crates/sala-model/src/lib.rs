@@ -45,7 +45,7 @@ pub use error::{ModelError, Result};
 pub use fast::{f32_matrix_view, CudaFastOps};
 pub use fast::{gram_reference, sequence_offsets, FastOps};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
-pub use numerics::{round_to_bf16, to_f32, Numerics};
+pub use numerics::{nearest_bf16, round_to_bf16, to_f32, Numerics};
 pub use runner::{AttentionMode, LayerRunner, RunOptions};
 pub use safetensors::Dtype;
 pub use source::{DeviceLayerWeights, LayerSource};
