@@ -109,34 +109,38 @@ impl CpuFastOps {
                 cos.dims()
             )));
         }
-        let (cos, sin) = (host_values(cos), host_values(sin));
         let positions: Vec<usize> = lengths.iter().flat_map(|&len| 0..len).collect();
         let mut values = host_values(x);
-        values
-            .par_chunks_mut((heads * d).max(1))
-            .zip(positions.par_iter())
-            .for_each_init(
-                || vec![0.0f32; d],
-                |input, (token, &p)| {
-                    let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
-                    for row in token.chunks_exact_mut(d.max(1)) {
-                        if let Some((weight, eps)) = norm {
-                            self.rms_norm_row(row, weight, eps);
-                        }
-                        input.copy_from_slice(row);
-                        // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
-                        let half = d / 2;
-                        for (i, out) in row.iter_mut().enumerate() {
-                            let rotated = if i < half {
-                                -input[i + half]
-                            } else {
-                                input[i - half]
-                            };
-                            *out = self.round(input[i] * cos[i] + rotated * sin[i]);
-                        }
-                    }
-                },
-            );
+        // The tables are read in place (they cover the longest sequence: up to 131,072 rows).
+        with_values(cos, |cos| {
+            with_values(sin, |sin| {
+                values
+                    .par_chunks_mut((heads * d).max(1))
+                    .zip(positions.par_iter())
+                    .for_each_init(
+                        || vec![0.0f32; d],
+                        |input, (token, &p)| {
+                            let (cos, sin) = (&cos[p * d..][..d], &sin[p * d..][..d]);
+                            for row in token.chunks_exact_mut(d.max(1)) {
+                                if let Some((weight, eps)) = norm {
+                                    self.rms_norm_row(row, weight, eps);
+                                }
+                                input.copy_from_slice(row);
+                                // x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
+                                let half = d / 2;
+                                for (i, out) in row.iter_mut().enumerate() {
+                                    let rotated = if i < half {
+                                        -input[i + half]
+                                    } else {
+                                        input[i - half]
+                                    };
+                                    *out = self.round(input[i] * cos[i] + rotated * sin[i]);
+                                }
+                            }
+                        },
+                    )
+            })
+        });
         Ok(from_values(values, [tokens, heads, d], x))
     }
 
