@@ -127,12 +127,10 @@ impl<B: Backend> InputStats<B> {
                 samples,
                 tokens: seen,
             } => {
-                let a = to_f32(x.clone()).abs();
-                let weights = row_weights::<B>(lengths, |w| w, &a.device());
-                let weighted = a.clone() * weights;
-                *square = square.clone() + (weighted.clone() * a.clone()).sum_dim(0);
-                *abs = abs.clone() + weighted.sum_dim(0);
-                *max = max.clone().max_pair(a.max_dim(0));
+                // In chunks of rows: three f32 copies of a whole `[T, 16384]` input would be
+                // 26 GB at 131,072 tokens (and each one over CubeCL's largest page but one).
+                let rows = diagonal_chunk_rows(x.dims()[1]);
+                add_channel_sums([square, abs, max], x, lengths, rows);
                 *samples += lengths.len() as u64;
                 *seen += tokens as u64;
                 Ok(())
@@ -220,6 +218,35 @@ fn add_rows<E>(
 }
 
 /// `[Σ lengths, 1]`: `f(1/T)` on every row of a sample of `T` tokens.
+/// Adds `x`'s rows, `rows` at a time, to the device channel sums `[Σ w·x², Σ w·|x|, max |x|]`
+/// (each `[1, dim]`), every row weighted by `1/its sample's tokens`.
+fn add_channel_sums<B: Backend>(
+    [square, abs, max]: [&mut Tensor<B, 2>; 3],
+    x: &Tensor<B, 2>,
+    lengths: &[usize],
+    rows: usize,
+) {
+    let [tokens, dim] = x.dims();
+    let weights = row_weights::<B>(lengths, |w| w, &x.device());
+    for start in (0..tokens).step_by(rows.max(1)) {
+        let end = (start + rows).min(tokens);
+        let a = to_f32(x.clone().slice([start..end, 0..dim])).abs();
+        let weighted = a.clone() * weights.clone().slice([start..end, 0..1]);
+        *square = square.clone() + (weighted.clone() * a.clone()).sum_dim(0);
+        *abs = abs.clone() + weighted.sum_dim(0);
+        *max = max.clone().max_pair(a.max_dim(0));
+    }
+}
+
+/// Bytes of one f32 row chunk of the device channel statistics ([`diagonal_chunk_rows`]).
+pub(crate) const DIAGONAL_CHUNK_BYTES: usize = 256 << 20;
+
+/// Rows of a `dim`-wide input the device channel statistics take at a time: f32 copies of at
+/// most [`DIAGONAL_CHUNK_BYTES`] (4096 rows of a 16384-wide input), at least one row.
+pub(crate) fn diagonal_chunk_rows(dim: usize) -> usize {
+    (DIAGONAL_CHUNK_BYTES / dim.max(1).saturating_mul(4)).max(1)
+}
+
 fn row_weights<B: Backend>(
     lengths: &[usize],
     f: impl Fn(f64) -> f64,
@@ -428,6 +455,43 @@ mod tests {
             }
             _ => panic!("diagonal statistics expected"),
         }
+    }
+
+    /// The device channel sums taken a few rows at a time (chunks straddling the samples'
+    /// boundaries) equal the sums over the whole pack at once, up to f32 summation order.
+    #[test]
+    fn channel_sums_in_row_chunks_match_the_whole_pack() {
+        let device = Default::default();
+        let (dim, lengths) = (5, [7usize, 1, 12]);
+        let tokens: usize = lengths.iter().sum();
+        let values = (0..tokens * dim)
+            .map(|k| ((k * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let x = sample(values, tokens, dim);
+        let sums = |rows: usize| {
+            let zeros = || Tensor::<CpuBackend, 2>::zeros([1, dim], (&device, DType::F32));
+            let (mut square, mut abs, mut max) = (zeros(), zeros(), zeros());
+            add_channel_sums([&mut square, &mut abs, &mut max], &x, &lengths, rows);
+            [square, abs, max].map(|t| t.into_data().to_vec::<f32>().unwrap())
+        };
+        let whole = sums(tokens);
+        for rows in [1, 3, 8, tokens + 5] {
+            let chunked = sums(rows);
+            for (a, b) in whole.iter().zip(&chunked) {
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                        "{rows} rows: {x} vs {y}"
+                    );
+                }
+            }
+            assert_eq!(
+                whole[2], chunked[2],
+                "the maximum does not depend on the order"
+            );
+        }
+        assert_eq!(diagonal_chunk_rows(16384), 4096);
+        assert_eq!(diagonal_chunk_rows(usize::MAX), 1);
     }
 
     /// One pack of several samples gives the statistics of adding them one by one, on the
