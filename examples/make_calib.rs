@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example make_calib                  # rewrites fixtures/calib/calib.jsonl
 //! cargo run --release --example make_calib -- --out /tmp/calib.jsonl
+//! cargo run --release --example make_calib -- --production-mix --out calib-production.jsonl
 //! ```
 //!
 //! The mix follows what the original team learned (short task-like samples *and* long documents,
@@ -54,6 +55,47 @@ struct Args {
     /// than 4096 tokens).
     #[arg(long, default_value_t = 16_000, requires = "windows")]
     window_chars: usize,
+    /// Instead of the bundled mix, write the production length mix (a memory and speed test of
+    /// the full-size model): 96 `text` windows of the King James chapters whose lengths follow
+    /// the production calibration set's buckets (60 under 1k tokens, 4 of 1k–10k, 17 of
+    /// 10k–50k, 9 of 50k–100k, 6 of 100k–131k; about 1.9 M tokens, the three longest cut to
+    /// 131,072 by `quantize_sala --max-len`). Needs --out.
+    #[arg(long, requires = "out", conflicts_with = "windows")]
+    production_mix: bool,
+}
+
+/// Characters per token of the fixtures' byte-level BPE on this English text (measured on the
+/// bundled tokenizer: about 3.5), to turn token targets into window lengths.
+const CHARS_PER_TOKEN: f64 = 3.5;
+
+/// Token targets of `--production-mix`: `(count, first, last)` per bucket, lengths spread
+/// evenly from `first` to `last`. The last bucket's three longest ask for 10 % more than
+/// 131,072 tokens so that truncation, not the text, sets their length.
+const PRODUCTION_BUCKETS: [(usize, usize, usize); 6] = [
+    (60, 150, 950),
+    (4, 2_000, 8_000),
+    (17, 11_000, 47_000),
+    (9, 52_000, 96_000),
+    (3, 106_000, 122_000),
+    (3, 144_180, 144_180),
+];
+
+/// Window lengths in characters of `--production-mix`, longest last.
+fn production_window_chars() -> Vec<usize> {
+    PRODUCTION_BUCKETS
+        .iter()
+        .flat_map(|&(count, first, last)| {
+            (0..count).map(move |i| {
+                let step = if count > 1 {
+                    (last - first) / (count - 1)
+                } else {
+                    0
+                };
+                let tokens = first + i * step;
+                (tokens as f64 * CHARS_PER_TOKEN).round() as usize
+            })
+        })
+        .collect()
 }
 
 fn main() -> Result<(), AnyError> {
@@ -76,7 +118,18 @@ fn main() -> Result<(), AnyError> {
     }
 
     if let Some(count) = args.windows {
-        let records = windows(&chapters, count, args.window_chars)?;
+        if count == 0 || args.window_chars == 0 {
+            return Err(format!(
+                "--windows {count} --window-chars {}: both must be positive",
+                args.window_chars
+            )
+            .into());
+        }
+        let records = windows(&chapters, &vec![args.window_chars; count]);
+        return finish(&out, &records);
+    }
+    if args.production_mix {
+        let records = windows(&chapters, &production_window_chars());
         return finish(&out, &records);
     }
 
@@ -123,14 +176,10 @@ fn finish(out: &Path, records: &[Value]) -> Result<(), AnyError> {
     Ok(())
 }
 
-/// `count` `text` records of `chars` characters each, cut from the chapters' text laid end to
-/// end at evenly spaced offsets (wrapping around), on character boundaries.
-fn windows(chapters: &[Chapter], count: usize, chars: usize) -> Result<Vec<Value>, AnyError> {
-    if count == 0 || chars == 0 {
-        return Err(
-            format!("--windows {count} --window-chars {chars}: both must be positive").into(),
-        );
-    }
+/// One `text` record per entry of `lengths` (characters), cut from the chapters' text laid end
+/// to end at evenly spaced offsets (wrapping around), on character boundaries.
+fn windows(chapters: &[Chapter], lengths: &[usize]) -> Vec<Value> {
+    let count = lengths.len().max(1);
     let text: Vec<char> = chapters
         .iter()
         .map(|c| format!("{}\n\n", c.text()))
@@ -139,12 +188,14 @@ fn windows(chapters: &[Chapter], count: usize, chars: usize) -> Result<Vec<Value
         .collect();
     let len = text.len();
     let stride = len / count;
-    Ok((0..count)
-        .map(|i| {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &chars)| {
             let window: String = (0..chars).map(|k| text[(i * stride + k) % len]).collect();
             json!({"_source": "kjv-window", "text": window})
         })
-        .collect())
+        .collect()
 }
 
 fn read(path: &Path) -> Result<String, AnyError> {
