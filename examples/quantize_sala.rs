@@ -10,8 +10,11 @@
 //! cargo run --release --example quantize_sala -- --plan-only
 //! ```
 //!
-//! On an NVIDIA GPU (bf16 on burn-cuda; hidden states and Hessians stay on the device when
-//! they fit `--max-device-memory`, and GPTQ solves there; `--host-solver` solves on the host):
+//! On an NVIDIA GPU (bf16 on burn-cuda; GPTQ solves there, `--host-solver` on the host). The
+//! run plans its device memory before any compute: the budget is the GPU's free memory at
+//! start less 5 % (or `--max-device-memory MB`), packs shrink to fit it, the hidden states stay
+//! on the device when they fit beside the largest pack, and a sample too long for it is
+//! refused, naming its line; the plan is printed (also with `--plan-only`):
 //!
 //! ```sh
 //! cargo build --release --features cuda --example quantize_sala

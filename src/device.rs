@@ -39,24 +39,27 @@ impl DeviceArg {
         }
     }
 
-    /// The GPU path's options: bf16 storage (or plain f32 with `f32`), hidden states on the
-    /// device within `max_device_memory_mb` MB, statistics on the device unless
-    /// `host_statistics`. The CPU path keeps `options` as they are.
-    pub fn configure(
-        self,
-        options: &mut QuantizeOptions,
-        f32: bool,
-        max_device_memory_mb: u64,
-        host_statistics: bool,
-    ) {
+    /// The GPU path's options: bf16 storage (or plain f32 with `f32`), statistics on the
+    /// device unless `host_statistics`. The CPU path keeps `options` as they are. Where the
+    /// hidden states live and the pack size come from the memory plan
+    /// ([`sala_gptq::MemoryPlan`]).
+    pub fn configure(self, options: &mut QuantizeOptions, f32: bool, host_statistics: bool) {
         if self == DeviceArg::Cuda {
             options.run.numerics = if f32 {
                 Numerics::F32
             } else {
                 Numerics::Bf16Storage
             };
-            options.max_device_memory = Some(max_device_memory_mb.saturating_mul(1_000_000));
             options.device_statistics = !host_statistics;
+        }
+    }
+
+    /// The device's free and total memory now, bytes; `None` on the CPU (the budget is then
+    /// only what the user gives).
+    pub fn memory_info(self) -> Result<Option<(u64, u64)>, Box<dyn Error>> {
+        match self {
+            DeviceArg::Cpu => Ok(None),
+            DeviceArg::Cuda => cuda_memory_info(),
         }
     }
 }
@@ -217,6 +220,18 @@ fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
         .with_transfer(Arc::new(uploader)))
 }
 
+#[cfg(feature = "cuda")]
+fn cuda_memory_info() -> Result<Option<(u64, u64)>, Box<dyn Error>> {
+    let info = sala_kernels::cuda::device_memory_info(0)
+        .map_err(|e| format!("--device cuda: cannot read the GPU's free memory: {e}"))?;
+    Ok(Some(info))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_memory_info() -> Result<Option<(u64, u64)>, Box<dyn Error>> {
+    Err(cuda_missing("quantize_sala").into())
+}
+
 #[cfg(not(feature = "cuda"))]
 fn run_cuda<J: DeviceJob>(
     example: &str,
@@ -244,12 +259,12 @@ mod tests {
     fn the_gpu_path_moves_storage_and_statistics_to_the_device() {
         let mut cpu = QuantizeOptions::new(sala_gptq::Recipe::Gptq);
         let before = format!("{cpu:?}");
-        DeviceArg::Cpu.configure(&mut cpu, false, 1000, false);
+        DeviceArg::Cpu.configure(&mut cpu, false, false);
         assert_eq!(format!("{cpu:?}"), before);
+        assert_eq!(DeviceArg::Cpu.memory_info().unwrap(), None);
         let mut gpu = cpu.clone();
-        DeviceArg::Cuda.configure(&mut gpu, false, 1000, false);
+        DeviceArg::Cuda.configure(&mut gpu, false, false);
         assert_eq!(gpu.run.numerics, Numerics::Bf16Storage);
-        assert_eq!(gpu.max_device_memory, Some(1_000_000_000));
         assert!(gpu.device_statistics);
     }
 }

@@ -12,8 +12,9 @@ use sala_gptq::hessian::{ClipSearch, IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
 use sala_gptq::plan::LoaderTarget;
 use sala_gptq::{
-    LayerBits, LayerReport, LinearSolver, MemoryProbe, Nvfp4Coverage, Pipeline, Progress,
-    QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage, StagedRun,
+    LayerBits, LayerFootprint, LayerReport, LinearSolver, MemoryPlan, MemoryProbe, Nvfp4Coverage,
+    Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage,
+    StagedRun,
 };
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -154,10 +155,13 @@ pub struct Args {
     /// storage; needs a binary built with `--features cuda`).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
-    /// Device memory for hidden states with `--device cuda`, in MB; beyond it they stay on the
-    /// host (see --max-host-memory).
-    #[arg(long, default_value_t = 64_000)]
-    max_device_memory: u64,
+    /// Device memory the run may use, in MB: each layer's work on a pack of samples, and the
+    /// hidden states of every sample when they fit beside it (else they stay on the host; see
+    /// --max-host-memory). Packs shrink to fit it; a sample too long for it is refused before
+    /// any compute. Default with `--device cuda`: the GPU's free memory at start less 5 % of
+    /// its total; with `--device cpu`: no budget unless given (then it bounds the packs).
+    #[arg(long)]
+    max_device_memory: Option<u64>,
     /// With `--device cuda`: accumulate Hessians / statistics on the host in f64 instead of on
     /// the device (slower; names a sample whose activations overflow).
     #[arg(long)]
@@ -313,8 +317,17 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let plan = QuantPlan::build(&config, &options.plan)?;
     options.check(&plan)?;
     let plan_json = plan_json(&plan, &config)?;
+    let calib_path = args
+        .calib_data
+        .clone()
+        .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
     if args.plan_only {
         say(&plan)?;
+        // The memory plan needs the samples' lengths: tokenizing is the only work done.
+        let (calib, _) = load_calibration(&args, &input, &config, &calib_path)?;
+        if let Some(memory) = memory_plan(&args, recipe, &config, &options, &calib, &calib_path)? {
+            say(memory)?;
+        }
         return Ok(());
     }
     let default_output = args.output.is_none();
@@ -326,15 +339,11 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             .join("target/quantized")
             .join(format!("{model}-{}", recipe_name(recipe)))
     });
-    let calib_path = args
-        .calib_data
-        .clone()
-        .unwrap_or_else(|| fixtures.join("calib/calib.jsonl"));
     let resume_identity = match args.resume {
         true => resume_identity(&args, &calib_path)?,
         false => Vec::new(),
     };
-    let options = QuantizeOptions {
+    let mut options = QuantizeOptions {
         // The default output under target/ is re-created on every run.
         overwrite: args.overwrite || default_output,
         resume: args.resume,
@@ -360,58 +369,13 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(&input),
         &[&calib_path, &input],
     )?;
-    let bundled = args.input.is_none();
-    let max_len = args.max_len.unwrap_or(if bundled { 2048 } else { 131_072 });
-    let max_samples = args.max_samples.or((!bundled).then_some(96));
-    let tokenizer = CalibTokenizer::from_model_dir(&input)?;
-    let calib = CalibSet::load(
-        &calib_path,
-        &tokenizer,
-        &CalibOptions {
-            max_len,
-            max_samples,
-            skip_malformed: args.skip_malformed,
-        },
-    )?;
-    // A tokenizer that is not the model's gives ids the embedding has no row for.
-    for sample in &calib.samples {
-        if let Some(&id) = sample
-            .ids
-            .iter()
-            .find(|&&id| id as usize >= config.vocab_size())
-        {
-            return Err(format!(
-                "{}:{}: token id {id} is outside the model's vocabulary (vocab_size {} in \
-                 config.json); is {} this model's tokenizer?",
-                calib_path.display(),
-                sample.line,
-                config.vocab_size(),
-                input.join("tokenizer.json").display()
-            )
-            .into());
+    let (calib, stats) = load_calibration(&args, &input, &config, &calib_path)?;
+    let memory = memory_plan(&args, recipe, &config, &options, &calib, &calib_path)?;
+    if let Some(memory) = &memory {
+        options.pack_tokens = memory.pack_tokens;
+        if args.device == DeviceArg::Cuda {
+            options.max_device_memory = memory.hidden_allowance();
         }
-    }
-    let stats = CalibStats::of(&calib, Some(args.dense_len));
-    if let Some(long) = calib.at_or_above(args.dense_len).first() {
-        return Err(format!(
-            "{}: calibration line {} has {} tokens, at or beyond --dense-len {} (lower --max-len or raise --dense-len)",
-            calib_path.display(),
-            long.line,
-            long.tokens,
-            args.dense_len
-        )
-        .into());
-    }
-    let tokens: usize = calib.samples.iter().map(|s| s.ids.len()).sum();
-    if tokens < config.hidden_size() {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "warning: the calibration set holds {tokens} tokens, fewer than the hidden size {}: \
-             the Hessians cannot be well conditioned and the result will be poor (more \
-             samples, --max-samples, or longer ones, --max-len)",
-            config.hidden_size()
-        );
     }
     // Before any compute, a standard output that cannot be written is an error.
     if args.full_table && !args.quiet {
@@ -420,6 +384,9 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else if !args.quiet {
         say(calibration_line(&stats))?;
         say(plan_summary(&plan_json, &plan)?)?;
+    }
+    if let (Some(memory), false) = (&memory, args.quiet) {
+        say(memory)?;
     }
     let model = model_json(&input, &config)?;
     let samples: Vec<Sample> = calib
@@ -455,6 +422,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         "report": &report,
         "calibration": &stats,
         "plan": plan_json,
+        "memory_plan": memory,
         "model": model,
         "settings": settings(&args),
     });
@@ -631,6 +599,109 @@ fn resume_identity(
     Ok(identity)
 }
 
+/// The calibration set tokenized with the model's tokenizer, and its statistics; refuses ids
+/// outside the vocabulary and samples at or beyond `--dense-len`, naming the line.
+fn load_calibration(
+    args: &Args,
+    input: &Path,
+    config: &SalaConfig,
+    calib_path: &Path,
+) -> Result<(CalibSet, CalibStats), Box<dyn std::error::Error>> {
+    let bundled = args.input.is_none();
+    let max_len = args.max_len.unwrap_or(if bundled { 2048 } else { 131_072 });
+    let max_samples = args.max_samples.or((!bundled).then_some(96));
+    let tokenizer = CalibTokenizer::from_model_dir(input)?;
+    let calib = CalibSet::load(
+        calib_path,
+        &tokenizer,
+        &CalibOptions {
+            max_len,
+            max_samples,
+            skip_malformed: args.skip_malformed,
+        },
+    )?;
+    // A tokenizer that is not the model's gives ids the embedding has no row for.
+    for sample in &calib.samples {
+        if let Some(&id) = sample
+            .ids
+            .iter()
+            .find(|&&id| id as usize >= config.vocab_size())
+        {
+            return Err(format!(
+                "{}:{}: token id {id} is outside the model's vocabulary (vocab_size {} in \
+                 config.json); is {} this model's tokenizer?",
+                calib_path.display(),
+                sample.line,
+                config.vocab_size(),
+                input.join("tokenizer.json").display()
+            )
+            .into());
+        }
+    }
+    let stats = CalibStats::of(&calib, Some(args.dense_len));
+    if let Some(long) = calib.at_or_above(args.dense_len).first() {
+        return Err(format!(
+            "{}: calibration line {} has {} tokens, at or beyond --dense-len {} (lower --max-len or raise --dense-len)",
+            calib_path.display(),
+            long.line,
+            long.tokens,
+            args.dense_len
+        )
+        .into());
+    }
+    let tokens: usize = calib.samples.iter().map(|s| s.ids.len()).sum();
+    if tokens < config.hidden_size() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: the calibration set holds {tokens} tokens, fewer than the hidden size {}: \
+             the Hessians cannot be well conditioned and the result will be poor (more \
+             samples, --max-samples, or longer ones, --max-len)",
+            config.hidden_size()
+        );
+    }
+    Ok((calib, stats))
+}
+
+/// The run's device-memory plan ([`MemoryPlan`]): the budget is `--max-device-memory`, else
+/// the GPU's free memory now less 5 % of its total; `None` on the CPU without the option.
+/// Refuses a sample too long for the budget, naming its calibration line.
+fn memory_plan(
+    args: &Args,
+    recipe: Recipe,
+    config: &SalaConfig,
+    options: &QuantizeOptions,
+    calib: &CalibSet,
+    calib_path: &Path,
+) -> Result<Option<MemoryPlan>, Box<dyn std::error::Error>> {
+    let budget = match (args.max_device_memory, args.device.memory_info()?) {
+        (Some(mb), _) => mb.saturating_mul(1_000_000),
+        (None, Some((free, total))) => free.saturating_sub(total / 20),
+        (None, None) => return Ok(None),
+    };
+    let elem = match options.run.numerics {
+        Numerics::Bf16Storage => 2,
+        _ => 4,
+    };
+    let footprint = LayerFootprint::estimate(config, recipe, elem);
+    let lengths: Vec<usize> = calib.samples.iter().map(|s| s.ids.len()).collect();
+    let device_hidden = args.device == DeviceArg::Cuda;
+    MemoryPlan::new(
+        &lengths,
+        footprint,
+        config.hidden_size(),
+        elem,
+        budget,
+        args.pack_tokens,
+        device_hidden,
+    )
+    .map(Some)
+    .map_err(|e| {
+        let line = calib.samples.get(e.index).map_or(0, |s| s.line);
+        format!("{}: calibration line {line}: {e}", calib_path.display()).into()
+    })
+}
+
 /// Every flag that changes the numbers or the layout, as the user spells it: the resume
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
@@ -669,7 +740,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--dense-len", a.dense_len.to_string()),
         ("--f32", a.f32.to_string()),
         ("--device", format!("{:?}", a.device)),
-        ("--max-device-memory", a.max_device_memory.to_string()),
+        ("--max-device-memory", format!("{:?}", a.max_device_memory)),
         ("--host-statistics", a.host_statistics.to_string()),
         ("--host-solver", a.host_solver.to_string()),
         ("--graph-ops", a.graph_ops.to_string()),
@@ -799,21 +870,19 @@ fn options_from(
             format!("--max-host-memory {mb}: more bytes than a 64-bit count holds")
         })?),
     };
-    if args.max_device_memory.checked_mul(1_000_000).is_none() {
-        return Err(format!(
-            "--max-device-memory {}: more bytes than a 64-bit count holds",
-            args.max_device_memory
-        )
-        .into());
+    if let Some(mb) = args.max_device_memory {
+        if mb == 0 || mb.checked_mul(1_000_000).is_none() {
+            return Err(format!(
+                "--max-device-memory {mb}: give a positive number of MB that a 64-bit byte \
+                 count holds"
+            )
+            .into());
+        }
     }
     options.skip_failed_samples = args.skip_failed_samples;
     options.pack_tokens = args.pack_tokens;
-    args.device.configure(
-        &mut options,
-        args.f32,
-        args.max_device_memory,
-        args.host_statistics,
-    );
+    args.device
+        .configure(&mut options, args.f32, args.host_statistics);
     Ok(options)
 }
 

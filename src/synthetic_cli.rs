@@ -116,12 +116,11 @@ pub fn run(args: Args) -> Result<SyntheticReport, Box<dyn Error>> {
         options.run.numerics = sala_gptq::model::Numerics::F32;
     }
     options.compare_rtn = !args.no_baseline;
-    args.device.configure(
-        &mut options,
-        args.f32,
-        args.max_device_memory,
-        args.host_statistics,
-    );
+    args.device
+        .configure(&mut options, args.f32, args.host_statistics);
+    if args.device == DeviceArg::Cuda {
+        options.max_device_memory = Some(args.max_device_memory.saturating_mul(1_000_000));
+    }
     let samples = random_samples(args.samples, args.seq_len, config.vocab_size(), args.seed);
     println!(
         "{} layers of {} ({} hidden, {} intermediate), {} × {} random tokens, {} on the {}",

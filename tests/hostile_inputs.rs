@@ -1484,6 +1484,38 @@ fn a_sample_beyond_dense_len() {
     assert_nothing_written(&env.out());
 }
 
+/// A device budget too small for the longest sample: one error line naming the file, the
+/// line, the sample's tokens and the budget, before any compute.
+fn a_budget_too_small_for_the_longest_sample() {
+    let env = Env::new();
+    let long = "In the beginning God created the heaven and the earth. ".repeat(40);
+    fs::write(
+        env.calib(),
+        format!("{{\"text\": \"Short.\"}}\n{{\"text\": \"{long}\"}}\n"),
+    )
+    .unwrap();
+    let run = env.quantize(&[
+        "--max-samples",
+        "2",
+        "--max-len",
+        "4096",
+        "--max-device-memory",
+        "1",
+    ]);
+    assert_refused(
+        &run,
+        &[
+            "calib.jsonl: calibration line 2: sample 1 has",
+            "tokens",
+            "of the 1 MB budget (--max-device-memory)",
+        ],
+    );
+    let errors = run.stderr.lines().filter(|l| l.contains("error")).count();
+    assert_eq!(errors, 1, "one error line: {run:?}");
+    assert_nothing_written(&env.out());
+    option(&["--max-device-memory", "0"], &["--max-device-memory 0"]);
+}
+
 // ------------------------------------------------------------------------------------------
 // Options.
 
@@ -1968,6 +2000,7 @@ const CASES: &[Case] = cases![
     only_malformed_lines_with_skip_malformed,
     a_directory_as_calibration_file,
     a_sample_beyond_dense_len,
+    a_budget_too_small_for_the_longest_sample,
     zero_max_len_or_samples,
     bit_widths_that_cannot_be_served,
     a_layer_beyond_the_model,

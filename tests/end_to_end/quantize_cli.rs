@@ -175,3 +175,54 @@ fn unknown_flags_are_usage_errors() {
     assert!(Args::try_parse_from(["quantize_sala", "--recipe", "awq"]).is_err());
     assert!(Args::try_parse_from(["quantize_sala", "--bogus"]).is_err());
 }
+
+/// A small `--max-device-memory` shrinks the packs (here from 16,384 tokens to a few hundred)
+/// and changes nothing else on the CPU: the checkpoint's bytes are those of the run without a
+/// budget. A budget too small for the longest sample is refused, naming its line.
+#[test]
+fn a_small_device_budget_shrinks_the_packs_not_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let quantize = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut flags = vec![
+            "--output",
+            out.to_str().unwrap(),
+            "--max-samples",
+            "24",
+            "--max-len",
+            "512",
+        ];
+        flags.extend_from_slice(extra);
+        run(args(&flags)).expect("the run succeeds");
+        let report: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("quantization_report.json")).unwrap(),
+        )
+        .unwrap();
+        let shards = std::fs::read(out.join("model.safetensors")).unwrap();
+        (shards, report["memory_plan"].clone())
+    };
+    let (unbounded, no_plan) = quantize("unbounded", &[]);
+    assert!(no_plan.is_null(), "no budget on the CPU unless given");
+    let (small, plan) = quantize("small", &["--max-device-memory", "30"]);
+    let pack_tokens = plan["pack_tokens"].as_u64().unwrap();
+    assert!(
+        (512..16_384).contains(&pack_tokens),
+        "the budget shrinks the packs: {plan}"
+    );
+    assert!(small == unbounded, "the same checkpoint bytes");
+    let out = dir.path().join("refused");
+    let err = error_of(&[
+        "--output",
+        out.to_str().unwrap(),
+        "--max-len",
+        "512",
+        "--max-device-memory",
+        "8",
+    ]);
+    assert!(err.contains("calibration line"), "{err}");
+    assert!(
+        err.contains("tokens") && err.contains("8 MB budget"),
+        "{err}"
+    );
+    assert_absent(&out);
+}

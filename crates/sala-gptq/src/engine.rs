@@ -5,7 +5,7 @@
 //! produce the next layer's inputs (the original scripts' quantized-input propagation).
 
 use crate::error::PipelineError;
-use crate::hidden::{HiddenBudget, HiddenStates};
+use crate::hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
 use crate::options::QuantizeOptions;
 use crate::packing::pack_samples;
@@ -167,6 +167,14 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         self.layer_peak = max_memory(self.layer_peak, now);
     }
 
+    /// Hands the device allocator's free pages back to the driver (a no-op on the CPU): the
+    /// pool keeps every page it ever allocated otherwise, so one stage's large buffers would
+    /// stay reserved through the next.
+    fn release_free_pages(&mut self) {
+        self.sample_memory();
+        B::memory_cleanup(self.runner.device());
+    }
+
     /// Tokens of the samples still in use.
     pub fn active_tokens(&self) -> u64 {
         self.active
@@ -177,18 +185,47 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
 
     /// The layer-0 inputs of every sample, kept on the device when they fit
     /// `options.max_device_memory`, else on the host (or in a scratch file in `scratch`, per
-    /// `options.max_host_memory`). Tells `progress` where they live.
+    /// `options.max_host_memory`). Tells `progress` where they live and how long embedding
+    /// took.
+    ///
+    /// When the states live on the device and `source` has an embedding table, the table is
+    /// uploaded once and each sample's rows are gathered there: the host never holds a
+    /// sample's `[tokens, hidden]` matrix, only its token ids.
     pub fn embed(
         &mut self,
         source: &dyn WeightSource<B>,
         scratch: &Path,
         progress: &mut dyn Progress,
     ) -> Result<HiddenStates<B>, PipelineError> {
+        let t = Instant::now();
         let mut hidden = self.allocate_hidden(scratch)?;
+        let table = match hidden.location() {
+            HiddenLocation::Device => source.embedding_table(self.runner)?,
+            _ => None,
+        };
         for (i, sample) in self.samples.iter().enumerate() {
-            hidden.store(i, source.embed(self.runner, &sample.ids)?);
+            let rows = match &table {
+                Some(table) => self.runner.embed_on_device(table, &sample.ids)?,
+                None => source.embed(self.runner, &sample.ids)?,
+            };
+            hidden.store(i, rows);
         }
+        let table_used = table.is_some();
+        drop(table);
+        let device = self.runner.device();
+        sync::<B>(device).map_err(|message| PipelineError::Device { layer: 0, message })?;
+        self.release_free_pages();
         self.tell_hidden(&hidden, progress);
+        progress.message(&format!(
+            "layer-0 inputs: {} tokens embedded {} in {:.1} s",
+            self.active_tokens(),
+            if table_used {
+                "on the device"
+            } else {
+                "on the host"
+            },
+            seconds_since(t)
+        ));
         Ok(hidden)
     }
 
@@ -300,6 +337,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let first_kinds = self.first_capture_kinds(&groups, &needed, &stages);
         let (mut stats, accumulate, finalize) =
             self.capture(layer, &weights, &groups, &first_kinds, hidden, progress)?;
+        self.release_free_pages();
         report.stages.accumulate = accumulate;
         report.stages.finalize = finalize;
         report.stages.capture = seconds_since(t) - accumulate - finalize;
@@ -344,6 +382,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.stages.solve += seconds_since(t);
         }
 
+        // The statistics (a GB of Hessians at full size) are not needed to propagate: their
+        // pages go back to the driver before the next stage's buffers are asked for.
+        drop(stats);
+        self.release_free_pages();
+
         let t = Instant::now();
         hand_over(sink, &solved, &weights, &quantized, &modified)?;
         report.stages.write = seconds_since(t);
@@ -351,6 +394,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let t = Instant::now();
         progress.stage(Stage::Propagate, self.active.len());
         self.propagate(layer, &weights, hidden, progress)?;
+        self.release_free_pages();
         report.stages.propagate = seconds_since(t);
         report.peak_device_memory = self.layer_peak;
         report.peak_rss_bytes = peak_rss_bytes();

@@ -7,7 +7,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use sala_export::CheckpointWriter;
 use sala_formats::{GptqPacked, Nvfp4Matrix};
-use sala_model::{HostTensor, LayerRunner, LayerWeights, ModelError, SalaConfig, TensorStore};
+use sala_model::{
+    EmbeddingTable, HostTensor, LayerRunner, LayerWeights, ModelError, SalaConfig, TensorStore,
+};
 
 /// A model's weights, one decoder layer at a time.
 pub trait WeightSource<B: Backend> {
@@ -16,6 +18,16 @@ pub trait WeightSource<B: Backend> {
 
     /// The layer-0 input of `ids`, `[ids.len(), hidden]` in the runner's storage dtype.
     fn embed(&self, runner: &LayerRunner<B>, ids: &[u32]) -> Result<Tensor<B, 2>, ModelError>;
+
+    /// The embedding table on `runner`'s device, when this source has one to upload, for
+    /// embedding many samples there ([`LayerRunner::embed_on_device`], the same values as
+    /// [`WeightSource::embed`]); `None` (the default): embed each sample with `embed`.
+    fn embedding_table(
+        &self,
+        _runner: &LayerRunner<B>,
+    ) -> Result<Option<EmbeddingTable<B>>, ModelError> {
+        Ok(None)
+    }
 
     /// Decoder layer `layer`'s weights on the host (f32), which the pipeline smooths and
     /// replaces by their quantized values.
@@ -37,6 +49,13 @@ impl<B: Backend> WeightSource<B> for CheckpointSource<'_> {
 
     fn embed(&self, runner: &LayerRunner<B>, ids: &[u32]) -> Result<Tensor<B, 2>, ModelError> {
         runner.embed(self.store, ids)
+    }
+
+    fn embedding_table(
+        &self,
+        runner: &LayerRunner<B>,
+    ) -> Result<Option<EmbeddingTable<B>>, ModelError> {
+        runner.upload_embedding(self.store).map(Some)
     }
 
     fn layer(&self, layer: usize) -> Result<LayerWeights, ModelError> {

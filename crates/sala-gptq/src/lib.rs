@@ -7,6 +7,8 @@
 //!   before any compute ([`QuantPlan`]);
 //! - [`options`]: everything a run is told ([`QuantizeOptions`]), with the original defaults;
 //! - [`pipeline`]: a whole run into a checkpoint ([`Pipeline`]), then verify;
+//! - [`budget`]: the device-memory budget planned before any compute: pack sizes, where the
+//!   hidden states live, a refusal naming a sample too long for it ([`MemoryPlan`]);
 //! - [`packing`]: which samples run through a layer together ([`pack_samples`]);
 //! - [`data_parallel`]: the plan of a calibration spread over several GPUs (samples and
 //!   solve owners balanced per device) and what its reductions compute (no transport yet);
@@ -29,6 +31,7 @@
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
 
+pub mod budget;
 pub mod data_parallel;
 pub mod engine;
 mod error;
@@ -48,6 +51,7 @@ pub mod smoothing;
 mod stats;
 pub mod synthetic;
 
+pub use budget::{BudgetError, LayerFootprint, MemoryPlan};
 pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};

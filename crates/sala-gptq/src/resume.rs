@@ -140,6 +140,9 @@ pub(crate) fn fingerprint(
         ),
     );
     let o = options;
+    // Not the pack size nor where the hidden states live: the device's free memory sets them
+    // by default (a resumed run may see another), and they change only the f32 summation
+    // order of the layers' products.
     for (name, value) in [
         ("options: plan", format!("{:?}", o.plan)),
         ("options: GPTQ", format!("{:?}", o.gptq)),
@@ -147,14 +150,9 @@ pub(crate) fn fingerprint(
         ("options: smoothing alpha", format!("{:?}", o.smooth_alpha)),
         ("options: numerics", format!("{:?}", o.run)),
         (
-            "options: device memory for hidden states",
-            format!("{:?}", o.max_device_memory),
-        ),
-        (
             "options: statistics on the device",
             format!("{:?}", o.device_statistics),
         ),
-        ("options: pack tokens", format!("{:?}", o.pack_tokens)),
         (
             "options: skip failed samples",
             format!("{:?}", o.skip_failed_samples),

@@ -3,7 +3,7 @@
 
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use crate::config::{HeadDims, LayerKind, SalaConfig, EMBED_TOKENS};
 use crate::error::{ModelError, Result};
@@ -102,6 +102,34 @@ fn upload_flat<B: Backend>(values: &[f32], device: &B::Device, dtype: DType) -> 
         .for_each(|(dst, src)| dst.convert_from_f32_slice(src));
     Tensor::from_data(TensorData::new(bits, [values.len()]), (device, dtype))
 }
+
+/// The token embedding `[vocab, hidden]` uploaded once to a runner's device
+/// ([`LayerRunner::upload_embedding`]), so that [`LayerRunner::embed_on_device`] gathers a
+/// sample's rows there: 4 bytes per token cross the bus instead of a host buffer of
+/// `4 · hidden` bytes per token.
+#[derive(Debug, Clone)]
+pub struct EmbeddingTable<B: Backend> {
+    /// `[vocab, hidden]`, bf16 when the checkpoint stores bf16 and the runner stores bf16,
+    /// else f32 (exact for f32, bf16 and f16 tables).
+    rows: Tensor<B, 2>,
+}
+
+impl<B: Backend> EmbeddingTable<B> {
+    /// Bytes the table takes on the device.
+    pub fn bytes(&self) -> u64 {
+        let [vocab, width] = self.rows.dims();
+        (vocab * width * self.rows.dtype().size()) as u64
+    }
+
+    /// Rows (the vocabulary size).
+    pub fn vocab(&self) -> usize {
+        self.rows.dims()[0]
+    }
+}
+
+/// Rows of the embedding uploaded at a time by [`LayerRunner::upload_embedding`]: 4096 rows of
+/// a 4096-wide table are 64 MB of f32 on the host.
+const EMBEDDING_UPLOAD_ROWS: usize = 4096;
 
 /// The tensors of a pack's sequences stacked along the rows (the tensor itself for one).
 fn concat_rows<B: Backend, const D: usize>(parts: Vec<Tensor<B, D>>) -> Tensor<B, D> {
@@ -220,6 +248,60 @@ impl<B: Backend> LayerRunner<B> {
         let rows = store.rows_f32(EMBED_TOKENS, ids)?;
         check_host_shape(EMBED_TOKENS, &rows, &[ids.len(), self.config.hidden_size()])?;
         self.scale_embedding(rows.to_tensor_as::<B, 2>(&self.device, DType::F32))
+    }
+
+    /// The embedding table of `store` on this runner's device, for
+    /// [`LayerRunner::embed_on_device`]. Uploaded in chunks of rows, so the host holds one
+    /// chunk at a time (the whole table's mapped pages are released afterwards).
+    pub fn upload_embedding(&self, store: &TensorStore) -> Result<EmbeddingTable<B>> {
+        let info = store.info(EMBED_TOKENS)?;
+        let width = self.config.hidden_size();
+        let vocab = match info.shape[..] {
+            // Gathered with i32 indices on the device.
+            [vocab, w] if w == width && vocab > 0 && vocab <= i32::MAX as usize => vocab,
+            _ => {
+                return Err(ModelError::InvalidInput(format!(
+                    "tensor {EMBED_TOKENS} has shape {:?}, expected [vocab > 0, {width}]",
+                    info.shape
+                )))
+            }
+        };
+        let dtype = match (info.dtype, self.storage_dtype()) {
+            (safetensors::Dtype::BF16, DType::BF16) => DType::BF16,
+            _ => DType::F32,
+        };
+        let chunks = (0..vocab)
+            .step_by(EMBEDDING_UPLOAD_ROWS)
+            .map(|start| {
+                let end = (start + EMBEDDING_UPLOAD_ROWS).min(vocab);
+                let ids: Vec<u32> = (start..end).map(|i| i as u32).collect();
+                let rows = store.rows_f32(EMBED_TOKENS, &ids)?;
+                Ok(upload_flat::<B>(&rows.data, &self.device, dtype).reshape([end - start, width]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        store.release(EMBED_TOKENS);
+        Ok(EmbeddingTable {
+            rows: concat_rows(chunks),
+        })
+    }
+
+    /// Layer-0 input `[ids.len(), hidden]` gathered from `table` on the device: the same values
+    /// as [`LayerRunner::embed`] (`embed_tokens[ids] · scale_emb` in f32, rounded to the
+    /// storage dtype).
+    pub fn embed_on_device(&self, table: &EmbeddingTable<B>, ids: &[u32]) -> Result<Tensor<B, 2>> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidInput("empty token sequence".to_owned()));
+        }
+        let vocab = table.vocab();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!(
+                "token id {id} is out of range for {EMBED_TOKENS} with {vocab} rows"
+            )));
+        }
+        let index: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+        let index =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(index, [ids.len()]), &self.device);
+        self.scale_embedding(table.rows.clone().select(0, index))
     }
 
     /// Layer-0 input from embedding rows already on the device (`[tokens, hidden]`, any float

@@ -95,6 +95,17 @@ pub fn sync_client(client: &ComputeClient<CudaRuntime>) -> Result<(), KernelErro
     })
 }
 
+/// Free and total memory of CUDA device `ordinal`, bytes, as the driver reports them now
+/// (other processes' allocations count as used). Retains the primary context, CubeCL's.
+pub fn device_memory_info(ordinal: usize) -> Result<(u64, u64), KernelError> {
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("CUDA context", e))?;
+    ctx.bind_to_thread()
+        .map_err(|e| driver_error("binding the CUDA context", e))?;
+    let (free, total) =
+        cudarc::driver::result::mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))?;
+    Ok((free as u64, total as u64))
+}
+
 /// A context handle on the device's primary context and one non-blocking stream, shared by
 /// the cuBLAS and cuSOLVER wrappers.
 #[derive(Debug)]

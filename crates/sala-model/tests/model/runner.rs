@@ -380,3 +380,39 @@ fn pack_lengths_must_split_the_rows() {
         );
     }
 }
+
+/// The embedding gathered on the device from the uploaded table is the host lookup, bit for
+/// bit, in every numerics the CPU backend runs; bad ids are errors.
+#[test]
+fn embedding_on_the_device_equals_the_host_lookup() {
+    for model in ["tiny-sala", "tiny-llama"] {
+        let (config, store) = open(model);
+        for numerics in [Numerics::F32, Numerics::Bf16Rounding] {
+            let options = RunOptions {
+                numerics,
+                ..RunOptions::default()
+            };
+            let runner = LayerRunner::<B>::new(config.clone(), Default::default(), options);
+            let table = runner.upload_embedding(&store).unwrap();
+            assert_eq!(table.vocab(), config.vocab_size());
+            // Every id of the vocabulary's ends, repeated ids, and a long mixed sequence.
+            let last = config.vocab_size() as u32 - 1;
+            let mut tokens = vec![0, last, 1, last, 0, 0];
+            tokens.extend(ids(300));
+            let host = to_vec(runner.embed(&store, &tokens).unwrap());
+            let device = to_vec(runner.embed_on_device(&table, &tokens).unwrap());
+            assert_eq!(host.len(), tokens.len() * config.hidden_size());
+            let same = host
+                .iter()
+                .zip(&device)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{model} {numerics:?}: device lookup differs");
+            assert!(runner.embed_on_device(&table, &[]).is_err());
+            let err = runner
+                .embed_on_device(&table, &[1, last + 1])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("token id {}", last + 1)), "{err}");
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The device-memory budget of a run, planned from sizes alone before any compute: what one
+//! layer's work costs per pack token and per layer ([`LayerFootprint`]), which pack size fits,
+//! whether the hidden states of every sample can stay on the device ([`MemoryPlan`]), and a
+//! refusal naming the sample when even that sample alone cannot fit ([`BudgetError`]).
+//!
+//! The footprint is an upper estimate of the buffers a layer holds at once on the GPU path
+//! (bf16 storage, fused element-wise kernels, cuBLAS linears, device statistics and solver):
+//! the pack's input and residual, the widest of the attention and MLP intermediates, the
+//! layer's weights, its statistics and the solver's work buffers. CubeCL's pool keeps freed
+//! pages and rounds allocations up to them, so the plan spends only
+//! [`MemoryPlan::USABLE_FRACTION`] of the budget on tensors.
+
+use crate::plan::Recipe;
+use crate::stats::DIAGONAL_CHUNK_BYTES;
+use sala_model::{input_groups, LayerKind, SalaConfig};
+use serde::Serialize;
+use std::fmt;
+
+/// One megabyte, for messages.
+const MB: f64 = 1e6;
+
+/// What one decoder layer's work holds on the device, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LayerFootprint {
+    /// Bytes per token of a pack: activations and their copies, the widest moment of the
+    /// layer (largest over the layer kinds).
+    pub per_token: u64,
+    /// Bytes per layer whatever its packs: weights on the device, statistics (Hessians), the
+    /// solver's work buffers (largest over the layers).
+    pub fixed: u64,
+    /// Bytes per token of the longest sample that the run keeps for its whole length (the
+    /// RoPE tables, f32 cos and sin).
+    pub per_longest_token: u64,
+}
+
+impl LayerFootprint {
+    /// The footprint of `config`'s layers under `recipe` with hidden states of `elem` bytes
+    /// per value (2 under bf16 storage, 4 in f32).
+    pub fn estimate(config: &SalaConfig, recipe: Recipe, elem: u64) -> Self {
+        let layers = 0..config.num_layers();
+        let per_token = layers
+            .clone()
+            .map(|l| per_token_of(config, config.layer_kind(l), elem))
+            .max()
+            .unwrap_or(0);
+        let fixed = layers
+            .map(|l| fixed_of(config, l, recipe, elem))
+            .max()
+            .unwrap_or(0);
+        let head_dim = config.attention_heads().head_dim as u64;
+        Self {
+            per_token,
+            fixed,
+            per_longest_token: 2 * 4 * head_dim,
+        }
+    }
+
+    /// Bytes of one pack of `tokens` tokens whose longest sample has `longest` tokens.
+    pub fn pack_bytes(&self, tokens: usize, longest: usize) -> u64 {
+        self.fixed
+            .saturating_add(self.per_token.saturating_mul(tokens as u64))
+            .saturating_add(self.per_longest_token.saturating_mul(longest as u64))
+    }
+}
+
+/// Per-token bytes of one layer kind: the larger of its attention and MLP moments, plus the
+/// pack's input copy and the output written next to the input in propagate.
+fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64) -> u64 {
+    let h = config.hidden_size() as u64;
+    let inter = config.intermediate_size() as u64;
+    let heads = match kind {
+        LayerKind::Lightning => config.lightning_heads().unwrap_or(config.attention_heads()),
+        _ => config.attention_heads(),
+    };
+    let (q, kv) = (heads.q_width() as u64, heads.kv_width() as u64);
+    let attention = match kind {
+        // Input, norm, q, k, v, normed q and k (RoPE), the GLA output, its norm, the gate.
+        LayerKind::Lightning => 2 * h + 3 * q + 4 * kv,
+        // Input, norm, q, k, v, the output gate, the attention output.
+        _ => 2 * h + 3 * q + 2 * kv,
+    };
+    // Input, residual, gate, up and their SwiGLU product.
+    let mlp = 2 * h + 3 * inter;
+    elem * (attention.max(mlp) + 2 * h)
+}
+
+/// Fixed bytes of layer `layer`: its weights in the storage dtype, the statistics of its
+/// inputs, and the solver's work on its largest linear.
+fn fixed_of(config: &SalaConfig, layer: usize, recipe: Recipe, elem: u64) -> u64 {
+    let specs = config.linear_specs(layer);
+    let weights: u64 = config
+        .layer_tensor_specs(layer)
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>() as u64 * elem)
+        .sum();
+    let width_of = |reader: &str| {
+        specs
+            .iter()
+            .find(|s| s.name == reader)
+            .map_or(0, |s| s.in_features as u64)
+    };
+    let widths: Vec<u64> = input_groups(config, layer)
+        .iter()
+        .map(|g| g.readers.first().map_or(0, |r| width_of(r)))
+        .collect();
+    let widest = widths.iter().copied().max().unwrap_or(0);
+    let largest = specs
+        .iter()
+        .map(|s| (s.out_features * s.in_features) as u64)
+        .max()
+        .unwrap_or(0);
+    let f32 = 4;
+    match recipe {
+        Recipe::Gptq => {
+            // One f32 Hessian per input group; the factorisation's three square buffers and
+            // a smoothing rescale of the widest; weights, codes, errors and the proxy's two
+            // buffers of the largest linear.
+            let hessians: u64 = widths.iter().map(|d| d * d * f32).sum();
+            weights + hessians + 4 * widest * widest * f32 + 5 * largest * f32
+        }
+        Recipe::Nvfp4 => {
+            // The channel sums' row chunks (three f32 copies), weights and codes of the
+            // largest linear with its block scales and errors.
+            weights + 3 * DIAGONAL_CHUNK_BYTES as u64 + 3 * largest * f32
+        }
+    }
+}
+
+/// Where the plan puts things and how large the packs are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryPlan {
+    /// The budget, bytes.
+    pub budget: u64,
+    /// The layer footprint the plan used.
+    pub footprint: LayerFootprint,
+    /// Bytes of every sample's hidden states in the storage dtype.
+    pub hidden_bytes: u64,
+    /// Whether the hidden states stay on the device (else host memory or a file).
+    pub hidden_on_device: bool,
+    /// Tokens per pack (a longer sample runs alone).
+    pub pack_tokens: usize,
+    /// Tokens of the longest sample.
+    pub longest: usize,
+    /// Bytes of the largest pack's layer work (fixed part included).
+    pub largest_pack_bytes: u64,
+}
+
+/// A budget too small for a sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetError {
+    /// Index of the sample in the lengths given to [`MemoryPlan::new`].
+    pub index: usize,
+    /// Its tokens.
+    pub tokens: usize,
+    /// Bytes its layer work needs.
+    pub needed: u64,
+    /// Bytes the plan may spend ([`MemoryPlan::USABLE_FRACTION`] of the budget).
+    pub usable: u64,
+    /// The budget, bytes.
+    pub budget: u64,
+}
+
+impl fmt::Display for BudgetError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "sample {} has {} tokens: one layer's work on it needs {:.0} MB of device memory, \
+             more than the {:.0} MB the plan may spend of the {:.0} MB budget \
+             (--max-device-memory); lower --max-len or raise the budget",
+            self.index,
+            self.tokens,
+            self.needed as f64 / MB,
+            self.usable as f64 / MB,
+            self.budget as f64 / MB
+        )
+    }
+}
+
+impl std::error::Error for BudgetError {}
+
+impl MemoryPlan {
+    /// Share of the budget the plan spends on tensors; the rest is left to the pool's
+    /// rounding and its freed-but-kept pages.
+    pub const USABLE_FRACTION: f64 = 0.8;
+
+    /// Bytes the plan may spend of `budget`.
+    pub fn usable(budget: u64) -> u64 {
+        (budget as f64 * Self::USABLE_FRACTION) as u64
+    }
+
+    /// Plans samples of `lengths` tokens (at least one, none empty) with `footprint`, hidden
+    /// states of `hidden_width` values of `elem` bytes per token, within `budget` bytes.
+    /// Packs hold up to `pack_tokens` tokens and shrink (to one sample) when the budget is
+    /// small. The hidden states stay on the device when `device_hidden` allows it and they fit
+    /// beside the largest pack; packs shrink first to make room for them.
+    pub fn new(
+        lengths: &[usize],
+        footprint: LayerFootprint,
+        hidden_width: usize,
+        elem: u64,
+        budget: u64,
+        pack_tokens: usize,
+        device_hidden: bool,
+    ) -> Result<Self, BudgetError> {
+        let usable = Self::usable(budget);
+        let (index, longest) = lengths
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
+            .unwrap_or((0, 0));
+        let alone = footprint.pack_bytes(longest, longest);
+        if alone > usable {
+            return Err(BudgetError {
+                index,
+                tokens: longest,
+                needed: alone,
+                usable,
+                budget,
+            });
+        }
+        let total: u64 = lengths.iter().map(|&n| n as u64).sum();
+        let hidden_bytes = total
+            .saturating_mul(hidden_width as u64)
+            .saturating_mul(elem);
+        let pack_within = |room: u64| {
+            // The largest pack whose bytes fit `room` (at least the longest sample, which
+            // runs alone anyway), capped by the requested size.
+            let spare = room.saturating_sub(footprint.pack_bytes(0, longest));
+            let tokens = spare
+                .checked_div(footprint.per_token)
+                .unwrap_or(u64::MAX)
+                .min(usize::MAX as u64) as usize;
+            pack_tokens.max(1).min(tokens.max(1))
+        };
+        let on_device = device_hidden && hidden_bytes.saturating_add(alone) <= usable;
+        let pack = match on_device {
+            true => pack_within(usable - hidden_bytes),
+            false => pack_within(usable),
+        };
+        Ok(Self {
+            budget,
+            footprint,
+            hidden_bytes,
+            hidden_on_device: on_device,
+            pack_tokens: pack,
+            longest,
+            largest_pack_bytes: footprint.pack_bytes(pack.max(longest), longest),
+        })
+    }
+
+    /// Bytes the hidden states may take on the device ([`crate::QuantizeOptions`]'s
+    /// `max_device_memory`): all of theirs when the plan keeps them there, else none.
+    pub fn hidden_allowance(&self) -> Option<u64> {
+        self.hidden_on_device.then_some(self.hidden_bytes)
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device budget {:.0} MB ({:.0} MB for tensors): hidden states {:.0} MB {}; packs \
+             up to {} tokens; the largest pack's layer work {:.0} MB ({:.0} MB per layer + \
+             {} bytes per token); longest sample {} tokens",
+            self.budget as f64 / MB,
+            Self::usable(self.budget) as f64 / MB,
+            self.hidden_bytes as f64 / MB,
+            if self.hidden_on_device {
+                "on the device"
+            } else {
+                "on the host"
+            },
+            self.pack_tokens,
+            self.largest_pack_bytes as f64 / MB,
+            self.footprint.fixed as f64 / MB,
+            self.footprint.per_token,
+            self.longest,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn footprint(per_token: u64, fixed: u64) -> LayerFootprint {
+        LayerFootprint {
+            per_token,
+            fixed,
+            per_longest_token: 8,
+        }
+    }
+
+    /// The full-size model's footprint is what the audit of the GPU path counted: about
+    /// 131 kB per token (MLP: input, residual, gate, up, SwiGLU, plus input copy and output).
+    #[test]
+    fn full_size_footprint_matches_the_counted_buffers() {
+        let config = SalaConfig::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/minicpm-sala-9b-config.json"),
+        )
+        .unwrap();
+        let gptq = LayerFootprint::estimate(&config, Recipe::Gptq, 2);
+        assert_eq!(gptq.per_token, 2 * (2 * 4096 + 3 * 16384 + 2 * 4096));
+        // Hessians 3·4096² + 16384² f32 (1.27 GB), weights about 0.57 GB, solver 4.3 + 1.3 GB.
+        assert!((6e9..9e9).contains(&(gptq.fixed as f64)), "{}", gptq.fixed);
+        let nvfp4 = LayerFootprint::estimate(&config, Recipe::Nvfp4, 2);
+        assert_eq!(nvfp4.per_token, gptq.per_token);
+        assert!(nvfp4.fixed < gptq.fixed / 3, "{}", nvfp4.fixed);
+    }
+
+    #[test]
+    fn a_sample_too_long_for_the_budget_is_named() {
+        let err = MemoryPlan::new(
+            &[10, 500, 20, 500],
+            footprint(1000, 0),
+            4,
+            2,
+            100_000,
+            64,
+            true,
+        )
+        .unwrap_err();
+        assert_eq!((err.index, err.tokens), (1, 500));
+        assert_eq!(err.needed, 500 * 1000 + 500 * 8);
+        let message = err.to_string();
+        assert!(message.contains("sample 1 has 500 tokens"), "{message}");
+        assert!(message.contains("--max-device-memory"), "{message}");
+    }
+
+    #[test]
+    fn packs_shrink_before_the_hidden_states_leave_the_device() {
+        let lengths = [100; 10];
+        let fp = footprint(100, 1000);
+        // Room for everything: the requested packs, states on the device.
+        let roomy = MemoryPlan::new(&lengths, fp, 4, 2, 10_000_000, 400, true).unwrap();
+        assert!(roomy.hidden_on_device);
+        assert_eq!(roomy.pack_tokens, 400);
+        // States (8000 bytes) plus a pack of 400 do not fit in 0.8 · 50,000; about 300 do.
+        let tight = MemoryPlan::new(&lengths, fp, 4, 2, 50_000, 400, true).unwrap();
+        assert!(tight.hidden_on_device);
+        assert!(
+            tight.pack_tokens < 400 && tight.pack_tokens >= 100,
+            "{tight:?}"
+        );
+        // Not even one sample beside the states: they go to the host.
+        let host = MemoryPlan::new(&lengths, fp, 4, 2, 15_000, 400, true).unwrap();
+        assert!(!host.hidden_on_device);
+        assert_eq!(host.hidden_allowance(), None);
+    }
+
+    proptest! {
+        /// Whatever the sizes, a plan never spends more than its usable budget, its packs are
+        /// at most the requested size, and a larger budget never gives smaller packs or moves
+        /// the states off the device.
+        #[test]
+        fn plans_stay_within_the_budget(
+            lengths in proptest::collection::vec(1usize..5000, 1..40),
+            per_token in 1u64..100_000,
+            fixed in 0u64..1_000_000_000,
+            budget in 1u64..100_000_000_000,
+            pack_tokens in 1usize..40_000,
+            device_hidden: bool,
+        ) {
+            let fp = footprint(per_token, fixed);
+            match MemoryPlan::new(&lengths, fp, 64, 2, budget, pack_tokens, device_hidden) {
+                Ok(plan) => {
+                    let hidden = if plan.hidden_on_device { plan.hidden_bytes } else { 0 };
+                    prop_assert!(plan.largest_pack_bytes + hidden <= MemoryPlan::usable(budget));
+                    prop_assert!(plan.pack_tokens <= pack_tokens && plan.pack_tokens >= 1);
+                    prop_assert!(!plan.hidden_on_device || device_hidden);
+                    let more = MemoryPlan::new(&lengths, fp, 64, 2, budget * 2, pack_tokens,
+                        device_hidden).unwrap();
+                    prop_assert!(more.hidden_on_device >= plan.hidden_on_device);
+                    if more.hidden_on_device == plan.hidden_on_device {
+                        prop_assert!(more.pack_tokens >= plan.pack_tokens);
+                    }
+                }
+                Err(err) => {
+                    let longest = *lengths.iter().max().unwrap();
+                    prop_assert_eq!(err.tokens, longest);
+                    prop_assert_eq!(lengths[err.index], longest);
+                    prop_assert!(err.needed > MemoryPlan::usable(budget));
+                }
+            }
+        }
+    }
+}
