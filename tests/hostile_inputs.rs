@@ -1886,17 +1886,18 @@ fn disk_full_while_overwriting_keeps_the_old_checkpoint() {
     assert_no_debris(&env.out());
 }
 
-/// With --resume, a layer's resume state crosses the limit before any layer is complete:
-/// nothing to keep, nothing left.
+/// With --resume, the files of layer 0 (its shard data, staged as it is written, or its resume
+/// state) cross the limit before any layer is complete: nothing to keep, nothing left.
 fn disk_full_at_the_resume_state() {
     let env = Env::new();
     let run = env.quantize_limited(16, &["--resume"]);
-    assert_disk_full(&run, "resume/layer-00000.safetensors");
+    assert_disk_full(&run, ".out.partial-");
     assert_nothing_written(&env.out());
 }
 
-/// With --resume the disk fills at the shard, after every layer: the staging directory is
-/// kept (the lock is not), and a --resume run with room finishes it without running a layer.
+/// With --resume the disk fills at the shard data once a layer is complete: the staging
+/// directory is kept (the lock is not), and a --resume run with room continues after the
+/// completed layers and finishes.
 fn disk_full_at_the_shard_of_a_resumable_run() {
     let env = Env::new();
     let run = env.quantize_limited(1024, &["--resume"]);
@@ -1906,7 +1907,11 @@ fn disk_full_at_the_shard_of_a_resumable_run() {
     assert!(!env.hidden_entries().iter().any(|n| n.ends_with(".lock")));
     let run = env.quantize(&["--resume"]);
     assert_ok(&run);
-    assert!(run.stderr.contains("at layer 8"), "{run:?}");
+    assert!(
+        run.stderr.contains("--resume: continuing the staged run"),
+        "{run:?}"
+    );
+    assert!(!run.stderr.contains("at layer 0:"), "{run:?}");
     assert!(sala_export::verify(env.out()).unwrap().is_ok());
     assert_no_debris(&env.out());
 }

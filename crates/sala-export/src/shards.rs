@@ -1,15 +1,24 @@
 //! Safetensors shards of bounded size and the `model.safetensors.index.json` that maps every
 //! tensor to its shard (the Hugging Face layout every loader reads).
 //!
-//! A shard's header lists all its tensors with their offsets, so a shard is kept in memory until
-//! it is full (at most `max_shard_bytes`, or one tensor if a single tensor is larger) and then
-//! written in one go. Shards are first written under provisional names, because the final names
-//! `model-0000i-of-0000N.safetensors` need the shard count; a checkpoint that fits in one shard
-//! is written as `model.safetensors` without an index, as `save_pretrained` does.
+//! A shard's header lists all its tensors with their offsets, so a shard is written only when it
+//! is full (at most `max_shard_bytes`, or one tensor if a single tensor is larger). Until then
+//! its tensors' bytes wait in a data file next to it (`shard-NNNNN.partial.data`), not in
+//! memory: a 4 GB shard held in memory was a third of the real job's host memory. The shard is
+//! then written from that file, one tensor at a time. Shards are first written under
+//! provisional names, because the final names `model-0000i-of-0000N.safetensors` need the shard
+//! count; a checkpoint that fits in one shard is written as `model.safetensors` without an
+//! index, as `save_pretrained` does.
 
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+
+use safetensors::tensor::View;
+use safetensors::Dtype;
 
 use serde::{Deserialize, Serialize};
 
@@ -72,11 +81,62 @@ pub struct FlushedShard {
     pub file_size: u64,
 }
 
+/// A tensor of the shard being filled: its bytes lie in the data file at `offset`.
+struct PendingTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    offset: u64,
+    len: usize,
+}
+
+/// The data file of the shard being filled, and the tensors in it.
+struct Spill {
+    path: PathBuf,
+    file: fs::File,
+    tensors: Vec<PendingTensor>,
+}
+
+/// A pending tensor read back from the data file while its shard is written; the first read
+/// error is kept for the writer to report (a `View` cannot fail).
+struct SpilledView<'a> {
+    tensor: &'a PendingTensor,
+    file: &'a RefCell<fs::File>,
+    error: &'a RefCell<Option<std::io::Error>>,
+}
+
+impl View for SpilledView<'_> {
+    fn dtype(&self) -> Dtype {
+        self.tensor.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut bytes = vec![0u8; self.tensor.len];
+        let mut file = self.file.borrow_mut();
+        let read = file
+            .seek(SeekFrom::Start(self.tensor.offset))
+            .and_then(|_| file.read_exact(&mut bytes));
+        if let Err(e) = read {
+            self.error.borrow_mut().get_or_insert(e);
+        }
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.len
+    }
+}
+
 /// Accumulates tensors and writes a shard whenever the next tensor would overflow the limit.
 pub(crate) struct ShardWriter {
     dir: PathBuf,
     max_bytes: u64,
-    pending: Vec<(String, Tensor)>,
+    /// The shard being filled (`None` until its first tensor).
+    pending: Option<Spill>,
     pending_bytes: u64,
     written: Vec<WrittenShard>,
     names: HashSet<String>,
@@ -88,7 +148,7 @@ impl ShardWriter {
         Self {
             dir: dir.to_path_buf(),
             max_bytes: max_bytes.max(1),
-            pending: Vec::new(),
+            pending: None,
             pending_bytes: 0,
             written: Vec::new(),
             names: HashSet::new(),
@@ -177,39 +237,104 @@ impl ShardWriter {
             });
         }
         let bytes = tensor.byte_len() as u64;
-        if !self.pending.is_empty() && self.pending_bytes + bytes > self.max_bytes {
+        if self.pending.is_some() && self.pending_bytes + bytes > self.max_bytes {
             self.flush()?;
         }
+        let spill = match &mut self.pending {
+            Some(spill) => spill,
+            None => {
+                let path = self.provisional().with_extension("partial.data");
+                let file = fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&path)
+                    .map_err(ExportError::io(&path))?;
+                self.pending.insert(Spill {
+                    path,
+                    file,
+                    tensors: Vec::new(),
+                })
+            }
+        };
+        spill
+            .file
+            .write_all(&tensor.data)
+            .map_err(ExportError::io(&spill.path))?;
+        spill.tensors.push(PendingTensor {
+            name: name.to_string(),
+            dtype: tensor.dtype,
+            shape: tensor.shape,
+            offset: self.pending_bytes,
+            len: tensor.data.len(),
+        });
         self.pending_bytes += bytes;
         self.total_bytes += bytes;
-        self.pending.push((name.to_string(), tensor));
         Ok(())
     }
 
+    /// The provisional name of the next shard.
+    fn provisional(&self) -> PathBuf {
+        self.dir
+            .join(format!("shard-{:05}.partial", self.written.len() + 1))
+    }
+
     fn flush(&mut self) -> Result<(), ExportError> {
-        let provisional = self
-            .dir
-            .join(format!("shard-{:05}.partial", self.written.len() + 1));
-        let pending = std::mem::take(&mut self.pending);
+        let provisional = self.provisional();
         let bytes = std::mem::take(&mut self.pending_bytes);
-        // `format: pt` is what transformers checks before it accepts a safetensors file.
-        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        safetensors::serialize_to_file(
-            pending.iter().map(|(name, t)| (name.as_str(), t)),
-            Some(metadata),
-            &provisional,
-        )
-        .map_err(|e| ExportError::Safetensors {
-            path: provisional.clone(),
-            message: e.to_string(),
-        })?;
+        let (tensors, spill_path) = match self.pending.take() {
+            Some(Spill {
+                path,
+                file,
+                tensors,
+            }) => {
+                let file = RefCell::new(file);
+                let error = RefCell::new(None);
+                // `format: pt` is what transformers checks before it accepts a safetensors file.
+                let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+                let views = tensors.iter().map(|tensor| {
+                    let view = SpilledView {
+                        tensor,
+                        file: &file,
+                        error: &error,
+                    };
+                    (tensor.name.as_str(), view)
+                });
+                safetensors::serialize_to_file(views, Some(metadata), &provisional).map_err(
+                    |e| ExportError::Safetensors {
+                        path: provisional.clone(),
+                        message: e.to_string(),
+                    },
+                )?;
+                if let Some(e) = error.into_inner() {
+                    return Err(ExportError::io(&path)(e));
+                }
+                (tensors, Some(path))
+            }
+            // No tensor at all: an empty shard, so that a checkpoint has one.
+            None => {
+                let empty: [(&str, &Tensor); 0] = [];
+                let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+                safetensors::serialize_to_file(empty, Some(metadata), &provisional).map_err(
+                    |e| ExportError::Safetensors {
+                        path: provisional.clone(),
+                        message: e.to_string(),
+                    },
+                )?;
+                (Vec::new(), None)
+            }
+        };
         // On disk before anything (a resume manifest, the commit) counts on it.
         fs::File::open(&provisional)
             .and_then(|f| f.sync_all())
             .map_err(ExportError::io(&provisional))?;
+        if let Some(path) = spill_path {
+            fs::remove_file(&path).map_err(ExportError::io(&path))?;
+        }
         self.written.push(WrittenShard {
             provisional,
-            tensors: pending.into_iter().map(|(name, _)| name).collect(),
+            tensors: tensors.into_iter().map(|t| t.name).collect(),
             bytes,
         });
         Ok(())
@@ -217,7 +342,7 @@ impl ShardWriter {
 
     /// Writes the last shard (nothing if every tensor is written, unless no shard is).
     pub(crate) fn flush_last(&mut self) -> Result<(), ExportError> {
-        if !self.pending.is_empty() || self.written.is_empty() {
+        if self.pending.is_some() || self.written.is_empty() {
             self.flush()?;
         }
         Ok(())
