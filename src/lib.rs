@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod device;
 pub mod forward_cli;
 pub mod full_size;
+pub mod panic_boundary;
 pub mod quantize_cli;
 pub mod synthetic_cli;
 

@@ -255,6 +255,8 @@ where
     T: Into<OsString> + Clone,
 {
     crate::allocator::reuse_freed_memory();
+    // A panic (the GPU runtime's failed allocation, a bug) becomes one error line.
+    crate::panic_boundary::install_hook();
     // SIGINT / SIGTERM / SIGHUP remove the staging directory before the process ends (a
     // resumable run's with a completed layer is kept).
     if let Err(e) = sala_export::remove_staging_on_interrupt() {
@@ -411,13 +413,15 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let StagedRun {
         report,
         mut checkpoint,
-    } = dispatch(
-        args.device,
-        "quantize_sala",
-        args.host_solver,
-        (!args.graph_ops).then_some(run_numerics),
-        job,
-    )?;
+    } = crate::panic_boundary::run_guarded(memory.map(|m| m.budget), || {
+        dispatch(
+            args.device,
+            "quantize_sala",
+            args.host_solver,
+            (!args.graph_ops).then_some(run_numerics),
+            job,
+        )
+    })?;
     let value = serde_json::json!({
         "report": &report,
         "calibration": &stats,
@@ -893,6 +897,8 @@ struct Bars {
     lines: bool,
     /// [`KILL_AFTER_LAYER_ENV`].
     kill_after_layer: Option<usize>,
+    /// The layer in progress, for the place a panic is reported at.
+    layer: usize,
 }
 
 impl Bars {
@@ -920,6 +926,7 @@ impl Bars {
             bars,
             lines: !quiet && !interactive,
             kill_after_layer: None,
+            layer: 0,
         }
     }
 }
@@ -931,18 +938,22 @@ impl Progress for Bars {
         }
     }
     fn layer(&mut self, layer: usize) {
+        self.layer = layer;
+        crate::panic_boundary::set_place(format!("layer {layer}"));
         if let Some((_, l, _)) = &self.bars {
             l.set_position(layer as u64);
             l.set_message(format!("layer {layer}"));
         }
     }
     fn stage(&mut self, stage: Stage, steps: usize) {
+        let name = match stage {
+            Stage::Capture => "capture",
+            Stage::Solve => "solve",
+            Stage::Propagate => "propagate",
+        };
+        crate::panic_boundary::set_place(format!("layer {}, {name}", self.layer));
         if let Some((_, _, s)) = &self.bars {
-            s.set_prefix(match stage {
-                Stage::Capture => "capture",
-                Stage::Solve => "solve",
-                Stage::Propagate => "propagate",
-            });
+            s.set_prefix(name);
             // A new stage starts its own clock: the ETA is the stage's.
             s.reset();
             s.set_length(steps as u64);

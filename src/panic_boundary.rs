@@ -1,0 +1,136 @@
+//! Where a panic inside a run becomes an error line. CubeCL's CUDA server unwraps a failed
+//! allocation (`can't allocate buffer of size: N`) on its own thread, and a library bug would
+//! panic too: the hook installed by [`install_hook`] keeps the first panic's message instead of
+//! printing it, the job runs under [`run_guarded`], and a panic comes back as one error that
+//! says where the run was (layer and stage, from [`set_place`]), what failed (the buffer's size
+//! when the runtime names it), the budget and the option that lowers it. Unwinding drops the
+//! staged checkpoint, which removes its directory as any other error does.
+
+use std::error::Error;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+/// The first panic's message and location since the hook was installed.
+static FIRST_PANIC: Mutex<Option<String>> = Mutex::new(None);
+/// Where the run is (`layer 5, capture`), for the error.
+static PLACE: Mutex<String> = Mutex::new(String::new());
+
+/// What the runtime says when an allocation fails (CubeCL's CUDA server).
+const ALLOCATION_FAILED: &str = "can't allocate buffer of size: ";
+
+/// Replaces the default panic hook (which prints a backtrace hint) by one that keeps the first
+/// panic's message for [`run_guarded`].
+pub fn install_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        let located = match info.location() {
+            Some(at) => format!("{message} (at {}:{})", at.file(), at.line()),
+            None => message,
+        };
+        if let Ok(mut first) = FIRST_PANIC.lock() {
+            first.get_or_insert(located);
+        }
+    }));
+}
+
+/// Records where the run is, e.g. `layer 5, capture`.
+pub fn set_place(place: String) {
+    if let Ok(mut p) = PLACE.lock() {
+        *p = place;
+    }
+}
+
+/// Runs `job`; a panic inside it (on this thread, or first on a runtime thread) becomes an
+/// error ([`describe`]) with `budget` (bytes) named.
+pub fn run_guarded<T>(
+    budget: Option<u64>,
+    job: impl FnOnce() -> Result<T, Box<dyn Error>>,
+) -> Result<T, Box<dyn Error>> {
+    match catch_unwind(AssertUnwindSafe(job)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let first = FIRST_PANIC.lock().ok().and_then(|mut f| f.take());
+            let message = first
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            let place = PLACE.lock().map(|p| p.clone()).unwrap_or_default();
+            Err(describe(&message, &place, budget).into())
+        }
+    }
+}
+
+/// The error line for a panic `message` at `place` under `budget` bytes.
+pub fn describe(message: &str, place: &str, budget: Option<u64>) -> String {
+    let place = match place {
+        "" => "before the first layer".to_owned(),
+        p => format!("in {p}"),
+    };
+    let budget = budget.map_or("no device budget".to_owned(), |b| {
+        format!("a device budget of {:.0} MB", b as f64 / 1e6)
+    });
+    let bytes = message.find(ALLOCATION_FAILED).and_then(|at| {
+        let digits: String = message[at + ALLOCATION_FAILED.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse::<u64>().ok()
+    });
+    let out_of_memory = bytes.is_some() || message.contains("OUT_OF_MEMORY");
+    match (out_of_memory, bytes) {
+        (true, Some(bytes)) => format!(
+            "the GPU ran out of memory {place}: the runtime could not allocate a buffer of {:.1} \
+             GB, with {budget}; lower --max-device-memory (smaller packs, hidden states on the \
+             host) or --max-len",
+            bytes as f64 / 1e9
+        ),
+        (true, None) => format!(
+            "the GPU ran out of memory {place}, with {budget}; lower --max-device-memory \
+             (smaller packs, hidden states on the host) or --max-len ({message})"
+        ),
+        _ => format!("internal error {place}: {message}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_allocation_failure_names_the_place_the_size_and_the_option() {
+        let message = "called `Result::unwrap()` on an `Err` value: can't allocate buffer of \
+                       size: 37527470080";
+        let line = describe(message, "layer 5, capture", Some(76_000_000_000));
+        assert!(line.contains("in layer 5, capture"), "{line}");
+        assert!(line.contains("37.5 GB"), "{line}");
+        assert!(line.contains("76000 MB"), "{line}");
+        assert!(line.contains("--max-device-memory"), "{line}");
+        assert!(!line.contains('\n'));
+        let other = describe("index out of bounds", "", None);
+        assert_eq!(
+            other,
+            "internal error before the first layer: index out of bounds"
+        );
+    }
+
+    #[test]
+    fn a_panic_in_the_job_becomes_an_error() {
+        set_place("layer 2, solve".to_owned());
+        let result: Result<(), _> = run_guarded(Some(1_000_000), || {
+            std::panic::panic_any("can't allocate buffer of size: 2000000000".to_owned())
+        });
+        let line = result.unwrap_err().to_string();
+        assert!(
+            line.contains("layer 2, solve") && line.contains("2.0 GB"),
+            "{line}"
+        );
+        set_place(String::new());
+        let fine: Result<u8, Box<dyn Error>> = run_guarded(None, || Ok(3));
+        assert_eq!(fine.unwrap(), 3);
+    }
+}
