@@ -254,6 +254,7 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    let _ = COMMAND_STARTED.set(std::time::Instant::now());
     crate::allocator::reuse_freed_memory();
     // A panic (the GPU runtime's failed allocation, a bug) becomes one error line.
     crate::panic_boundary::install_hook();
@@ -285,6 +286,9 @@ where
         Err(e) => fail(&e.to_string()),
     }
 }
+
+/// When [`main`] started, for the start-up time printed before the first layer.
+static COMMAND_STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
 /// Prints `error: <message>` (even to a closed standard error, without panicking); status 1.
 fn fail(message: &str) -> ExitCode {
@@ -899,6 +903,8 @@ struct Bars {
     kill_after_layer: Option<usize>,
     /// The layer in progress, for the place a panic is reported at.
     layer: usize,
+    /// When the command started, until the first layer reports its start-up time.
+    started: Option<std::time::Instant>,
 }
 
 impl Bars {
@@ -927,6 +933,7 @@ impl Bars {
             lines: !quiet && !interactive,
             kill_after_layer: None,
             layer: 0,
+            started: COMMAND_STARTED.get().copied(),
         }
     }
 }
@@ -940,6 +947,14 @@ impl Progress for Bars {
     fn layer(&mut self, layer: usize) {
         self.layer = layer;
         crate::panic_boundary::set_place(format!("layer {layer}"));
+        if let (Some(started), true) = (self.started, self.bars.is_some() || self.lines) {
+            self.message(&format!(
+                "start-up: layer {layer} starts {:.1} s after the command started (flags, \
+                 tokenizing, device set-up, embedding)",
+                started.elapsed().as_secs_f64()
+            ));
+            self.started = None;
+        }
         if let Some((_, l, _)) = &self.bars {
             l.set_position(layer as u64);
             l.set_message(format!("layer {layer}"));
