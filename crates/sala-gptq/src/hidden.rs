@@ -487,7 +487,10 @@ mod tests {
                     .map(|k| bf16::from_f32(((k * 7 + i) % 1000) as f32 / 8.0 - 60.0))
                     .collect();
                 states.set_bf16(i, &values);
-                assert!(states.host_bf16(i).unwrap() == values, "sample {i}, {host:?}");
+                assert!(
+                    states.host_bf16(i).unwrap() == values,
+                    "sample {i}, {host:?}"
+                );
                 let as_f32: Vec<f32> = values.iter().map(|x| x.to_f32()).collect();
                 assert_eq!(states.get(i), as_f32);
             }
