@@ -497,7 +497,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
             // The first failure in the taps: the sample (index in the pack) it names, if any.
             let mut tap_error: Option<(Option<usize>, String)> = None;
+            // Read at the taps, while the pack's intermediates are alive (after the pack they
+            // are freed, and a reading then understates the layer's peak).
+            let (probe, mut tap_peak) = (self.memory, None);
             let result = runner.capture_pack_from(&device_weights, input, &lengths, |name, x| {
+                tap_peak = max_memory(tap_peak, probe.and_then(|probe| probe(device)));
                 let Some(&g) = first_reader.get(name) else {
                     return;
                 };
@@ -521,6 +525,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                     tap_error = Some(e);
                 }
             });
+            self.layer_peak = max_memory(self.layer_peak, tap_peak);
             match (result, tap_error) {
                 (Ok(()), None) => {}
                 (Ok(()), Some((Some(s), message))) => {
