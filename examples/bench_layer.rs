@@ -102,12 +102,12 @@ fn main() -> Result<(), Box<dyn Error>> {
         };
         // Warm-up, then timed runs; into_data forces the lazy backend to finish.
         runner
-            .run_layer(&weights, hidden.clone(), |_, _| {})?
+            .run_layer(&weights, hidden.clone(), |_, _, _| {})?
             .into_data();
         let start = Instant::now();
         for _ in 0..args.repeats {
             runner
-                .run_layer(&weights, hidden.clone(), |_, _| {})?
+                .run_layer(&weights, hidden.clone(), |_, _, _| {})?
                 .into_data();
         }
         let seconds = start.elapsed().as_secs_f64() / args.repeats as f64;

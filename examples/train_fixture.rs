@@ -404,7 +404,7 @@ impl<B: Backend> TinySala<B> {
         for (layer, params) in self.layers.iter().enumerate() {
             let tensors = params.iter().map(Param::val).collect();
             let weights = DeviceLayerWeights::new(config, layer, tensors)?;
-            hidden = runner.run_layer_from(&weights, hidden, |_, _| {})?;
+            hidden = runner.run_layer_from(&weights, hidden, |_, _, _| {})?;
         }
         let lm_head = self.global[2].val().reshape([vocab, width]);
         Ok(runner.logits_from(self.global[1].val(), lm_head, hidden)?)

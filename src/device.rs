@@ -40,7 +40,8 @@ impl DeviceArg {
     }
 
     /// The GPU path's options: bf16 storage (or plain f32 with `f32`), statistics on the
-    /// device unless `host_statistics`. The CPU path keeps `options` as they are. Where the
+    /// device unless `host_statistics` (and then the MLP in chunks of
+    /// [`sala_gptq::DEFAULT_MLP_ROWS`] rows). The CPU path keeps `options` as they are. Where the
     /// hidden states live and the pack size come from the memory plan
     /// ([`sala_gptq::MemoryPlan`]).
     pub fn configure(self, options: &mut QuantizeOptions, f32: bool, host_statistics: bool) {
@@ -51,6 +52,9 @@ impl DeviceArg {
                 Numerics::Bf16Storage
             };
             options.device_statistics = !host_statistics;
+            options.run.mlp_rows = options
+                .device_statistics
+                .then_some(sala_gptq::DEFAULT_MLP_ROWS);
         }
     }
 
@@ -266,5 +270,12 @@ mod tests {
         DeviceArg::Cuda.configure(&mut gpu, false, false);
         assert_eq!(gpu.run.numerics, Numerics::Bf16Storage);
         assert!(gpu.device_statistics);
+        assert_eq!(gpu.run.mlp_rows, Some(sala_gptq::DEFAULT_MLP_ROWS));
+        let mut host_stats = cpu.clone();
+        DeviceArg::Cuda.configure(&mut host_stats, false, true);
+        assert_eq!(
+            host_stats.run.mlp_rows, None,
+            "host statistics take whole packs"
+        );
     }
 }

@@ -691,7 +691,7 @@ fn memory_plan(
         Numerics::Bf16Storage => 2,
         _ => 4,
     };
-    let footprint = LayerFootprint::estimate(config, recipe, elem);
+    let footprint = LayerFootprint::estimate(config, recipe, elem, options.run.mlp_rows);
     let lengths: Vec<usize> = calib.samples.iter().map(|s| s.ids.len()).collect();
     let device_hidden = args.device == DeviceArg::Cuda;
     MemoryPlan::new(

@@ -217,8 +217,8 @@ pub fn drift<B: Backend>(
         if options.input == DriftInput::Original {
             h_q = h_o.clone();
         }
-        let out_o = runner.run_layer(w_o, h_o.clone(), |_, _| {})?;
-        let out_q = runner.run_layer(w_q, h_q.clone(), |_, _| {})?;
+        let out_o = runner.run_layer(w_o, h_o.clone(), |_, _, _| {})?;
+        let out_q = runner.run_layer(w_q, h_q.clone(), |_, _, _| {})?;
         if w_o.kind == LayerKind::Lightning {
             let (host_o, host_q) = (host_values(out_o.clone())?, host_values(out_q.clone())?);
             layers.push(lightning_drift(

@@ -84,7 +84,7 @@ impl LoadedModel {
     ) -> Result<Tensor<B, 2>, EvalError> {
         let mut hidden = self.embed(runner, ids)?;
         for weights in &self.layers {
-            hidden = runner.run_layer(weights, hidden, |_, _| {})?;
+            hidden = runner.run_layer(weights, hidden, |_, _, _| {})?;
         }
         Ok(runner.logits(&self.head, hidden)?)
     }

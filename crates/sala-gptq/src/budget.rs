@@ -38,19 +38,31 @@ pub struct LayerFootprint {
 
 impl LayerFootprint {
     /// The footprint of `config`'s layers under `recipe` with hidden states of `elem` bytes
-    /// per value (2 under bf16 storage, 4 in f32).
-    pub fn estimate(config: &SalaConfig, recipe: Recipe, elem: u64) -> Self {
+    /// per value (2 under bf16 storage, 4 in f32), the MLP run `mlp_rows` rows at a time
+    /// ([`RunOptions::mlp_rows`](sala_model::RunOptions)) or a whole pack at once (`None`).
+    pub fn estimate(
+        config: &SalaConfig,
+        recipe: Recipe,
+        elem: u64,
+        mlp_rows: Option<usize>,
+    ) -> Self {
         let layers = 0..config.num_layers();
         let per_token = layers
             .clone()
-            .map(|l| per_token_of(config, config.layer_kind(l), elem))
+            .map(|l| per_token_of(config, config.layer_kind(l), elem, mlp_rows.is_some()))
             .max()
             .unwrap_or(0);
         let stages: Vec<(u64, u64)> = layers.map(|l| fixed_of(config, l, recipe, elem)).collect();
         let head_dim = config.attention_heads().head_dim as u64;
+        // One chunk's gate, up and SwiGLU product, its down_proj output and residual sum.
+        let (h, inter) = (
+            config.hidden_size() as u64,
+            config.intermediate_size() as u64,
+        );
+        let mlp_chunk = mlp_rows.map_or(0, |rows| elem * rows as u64 * (3 * inter + 2 * h));
         Self {
             per_token,
-            fixed: stages.iter().map(|s| s.0).max().unwrap_or(0),
+            fixed: stages.iter().map(|s| s.0).max().unwrap_or(0) + mlp_chunk,
             solve: stages.iter().map(|s| s.1).max().unwrap_or(0),
             per_longest_token: 2 * 4 * head_dim,
         }
@@ -71,8 +83,9 @@ impl LayerFootprint {
 
 /// Per-token bytes of one layer kind: the larger of its attention and MLP moments, the pack's
 /// input counted (a copy for packs of several samples; for one sample it is the stored hidden
-/// state, counted twice when those live on the device).
-fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64) -> u64 {
+/// state, counted twice when those live on the device). A `chunked` MLP holds only the rows of
+/// one chunk of intermediates (counted in the fixed bytes).
+fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64, chunked: bool) -> u64 {
     let h = config.hidden_size() as u64;
     let inter = config.intermediate_size() as u64;
     let heads = match kind {
@@ -86,8 +99,12 @@ fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64) -> u64 {
         // Input, norm, q, k, v, the output gate, the attention output.
         _ => 2 * h + 3 * q + 2 * kv,
     };
-    // Input, residual, gate, up and their SwiGLU product.
-    let mlp = 2 * h + 3 * inter;
+    let mlp = match chunked {
+        // Input, residual, its norm, the chunks' outputs and their concatenation.
+        true => 5 * h,
+        // Input, residual, gate, up and their SwiGLU product.
+        false => 2 * h + 3 * inter,
+    };
     elem * attention.max(mlp)
 }
 
@@ -314,7 +331,7 @@ mod tests {
                 .join("../../fixtures/minicpm-sala-9b-config.json"),
         )
         .unwrap();
-        let gptq = LayerFootprint::estimate(&config, Recipe::Gptq, 2);
+        let gptq = LayerFootprint::estimate(&config, Recipe::Gptq, 2, None);
         assert_eq!(gptq.per_token, 2 * (2 * 4096 + 3 * 16384));
         // Hessians 3·4096² + 16384² f32 (1.27 GB) and weights of about 0.57 GB while packs
         // run; the solve adds the factorisation (4.3 GB) and the largest linear's (1.3 GB).
@@ -328,12 +345,24 @@ mod tests {
             "{}",
             gptq.solve
         );
-        let nvfp4 = LayerFootprint::estimate(&config, Recipe::Nvfp4, 2);
+        let nvfp4 = LayerFootprint::estimate(&config, Recipe::Nvfp4, 2, None);
         assert_eq!(nvfp4.per_token, gptq.per_token);
         assert!(
             nvfp4.fixed < gptq.fixed && nvfp4.solve < gptq.solve / 5,
             "{nvfp4:?}"
         );
+        // The MLP in chunks of 16384 rows: the lightning attention's moment (input, norm, q,
+        // k, v, normed q and k, the GLA output, its norm, the gate, all 4096 wide) becomes the
+        // widest, and one chunk's intermediates (1.88 GB) join the fixed bytes. At 131,072
+        // tokens the layer needs 3.5 GB less.
+        let chunked = LayerFootprint::estimate(&config, Recipe::Gptq, 2, Some(16384));
+        assert_eq!(chunked.per_token, 2 * 9 * 4096);
+        assert_eq!(
+            chunked.fixed - gptq.fixed,
+            2 * 16384 * (3 * 16384 + 2 * 4096)
+        );
+        let saved = gptq.pack_bytes(131_072, 131_072) - chunked.pack_bytes(131_072, 131_072);
+        assert!((3.4e9..3.6e9).contains(&(saved as f64)), "{saved}");
     }
 
     #[test]

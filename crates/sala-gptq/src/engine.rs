@@ -500,31 +500,32 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             // Read at the taps, while the pack's intermediates are alive (after the pack they
             // are freed, and a reading then understates the layer's peak).
             let (probe, mut tap_peak) = (self.memory, None);
-            let result = runner.capture_pack_from(&device_weights, input, &lengths, |name, x| {
-                tap_peak = max_memory(tap_peak, probe.and_then(|probe| probe(device)));
-                let Some(&g) = first_reader.get(name) else {
-                    return;
-                };
-                if tap_error.is_some() {
-                    return;
-                }
-                if let Err(e) = sync::<B>(device) {
-                    tap_error = Some((None, e));
-                    return;
-                }
-                let t = Instant::now();
-                let added = match stats[g].as_mut() {
-                    Some(s) => s
-                        .add_pack(x, &lengths, runner.fast_ops())
-                        .map_err(|(s, e)| (s, format!("{name}: {e}"))),
-                    None => Ok(()),
-                };
-                let synced = sync::<B>(device).map_err(|e| (None, e));
-                accumulate += seconds_since(t);
-                if let Err(e) = added.and(synced) {
-                    tap_error = Some(e);
-                }
-            });
+            let result =
+                runner.capture_pack_from(&device_weights, input, &lengths, |name, x, rows| {
+                    tap_peak = max_memory(tap_peak, probe.and_then(|probe| probe(device)));
+                    let Some(&g) = first_reader.get(name) else {
+                        return;
+                    };
+                    if tap_error.is_some() {
+                        return;
+                    }
+                    if let Err(e) = sync::<B>(device) {
+                        tap_error = Some((None, e));
+                        return;
+                    }
+                    let t = Instant::now();
+                    let added = match stats[g].as_mut() {
+                        Some(s) => s
+                            .add_pack(x, &lengths, rows, runner.fast_ops())
+                            .map_err(|(s, e)| (s, format!("{name}: {e}"))),
+                        None => Ok(()),
+                    };
+                    let synced = sync::<B>(device).map_err(|e| (None, e));
+                    accumulate += seconds_since(t);
+                    if let Err(e) = added.and(synced) {
+                        tap_error = Some(e);
+                    }
+                });
             self.layer_peak = max_memory(self.layer_peak, tap_peak);
             match (result, tap_error) {
                 (Ok(()), None) => {}
@@ -892,7 +893,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         for pack in self.packs() {
             let lengths = self.lengths(&pack);
             let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
-            match runner.run_pack_from(&device_weights, input, &lengths, |_, _| {}) {
+            match runner.run_pack_from(&device_weights, input, &lengths, |_, _, _| {}) {
                 Ok(y) => {
                     let mut start = 0;
                     for (&i, &len) in pack.iter().zip(&lengths) {

@@ -78,7 +78,7 @@ pub fn checkpoint_logits<B: Backend>(
     let mut hidden = runner.embed(&store, ids)?;
     for layer in 0..config.num_layers() {
         let weights = checkpoint_layer(checkpoint, config, layer)?;
-        hidden = runner.run_layer(&weights, hidden, |_, _| {})?;
+        hidden = runner.run_layer(&weights, hidden, |_, _, _| {})?;
     }
     Ok(runner.logits(&checkpoint_head(checkpoint, config)?, hidden)?)
 }

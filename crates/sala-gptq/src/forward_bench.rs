@@ -243,13 +243,19 @@ pub fn measure_case<B: Backend>(
         sync()?;
         let t = Instant::now();
         let mut failure = None;
-        runner.capture_pack_from(device_weights, hidden.clone(), &case.lengths, |name, x| {
-            if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
-                if let Err((_, message)) = s.add_pack(x, &case.lengths, runner.fast_ops()) {
-                    failure.get_or_insert(format!("{name}: {message}"));
+        runner.capture_pack_from(
+            device_weights,
+            hidden.clone(),
+            &case.lengths,
+            |name, x, rows| {
+                if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
+                    if let Err((_, message)) = s.add_pack(x, &case.lengths, rows, runner.fast_ops())
+                    {
+                        failure.get_or_insert(format!("{name}: {message}"));
+                    }
                 }
-            }
-        })?;
+            },
+        )?;
         sync()?;
         if let Some(message) = failure {
             return Err(PipelineError::Device { layer, message });
@@ -260,7 +266,8 @@ pub fn measure_case<B: Backend>(
     let mut propagate = || -> Result<f64, PipelineError> {
         sync()?;
         let t = Instant::now();
-        let y = runner.run_pack_from(device_weights, hidden.clone(), &case.lengths, |_, _| {})?;
+        let y =
+            runner.run_pack_from(device_weights, hidden.clone(), &case.lengths, |_, _, _| {})?;
         sync()?;
         let seconds = t.elapsed().as_secs_f64();
         output = Some(y);

@@ -56,7 +56,7 @@ pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
-pub use options::{GptqOptions, QuantizeOptions, DEFAULT_PACK_TOKENS};
+pub use options::{GptqOptions, QuantizeOptions, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS};
 pub use packing::pack_samples;
 pub use pipeline::{Pipeline, StagedRun};
 pub use plan::{

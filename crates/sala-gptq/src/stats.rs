@@ -9,7 +9,7 @@ use sala_hessian::layout::symmetric_from_lower;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
-use sala_model::{gram_reference, to_f32, FastOps};
+use sala_model::{gram_reference, sample_runs, to_f32, FastOps, RowRun, TapRows};
 use std::borrow::Cow;
 
 /// Which statistics a recipe needs.
@@ -79,21 +79,43 @@ impl<B: Backend> InputStats<B> {
     #[cfg(test)]
     pub(crate) fn add(&mut self, x: &Tensor<B, 2>) -> Result<(), String> {
         let tokens = x.dims()[0];
-        self.add_pack(x, &[tokens], None).map_err(|(_, e)| e)
+        self.add_pack(x, &[tokens], 0..tokens, None)
+            .map_err(|(_, e)| e)
     }
 
-    /// Adds the inputs `x` `[Σ lengths, dim]` of a pack of samples lying back to back, each
-    /// sample weighted by `1/its tokens` as if added alone: on the host sample by sample, on
-    /// the device in one product with every row scaled by `√(1/T)` (`Σᵢ XᵢᵀXᵢ/Tᵢ = (DX)ᵀ(DX)`).
-    /// A failure names the sample (its index in `lengths`) when it is one sample's; `fast`
-    /// computes the device Hessian's products where given.
+    /// Adds the inputs `x` `[rows, dim]`, rows `rows` of a pack of samples of `lengths`
+    /// tokens lying back to back, each sample weighted by `1/its tokens` as if added alone: on
+    /// the host sample by sample, on the device in one product with every row scaled by
+    /// `√(1/T)` (`Σᵢ XᵢᵀXᵢ/Tᵢ = (DX)ᵀ(DX)`). The device statistics also take a pack in chunks of
+    /// rows (a sample counts once, in the chunk where it starts); the host ones take whole
+    /// packs. A failure names the sample (its index in `lengths`) when it is one sample's;
+    /// `fast` computes the device Hessian's products where given.
     pub(crate) fn add_pack(
         &mut self,
         x: &Tensor<B, 2>,
         lengths: &[usize],
+        rows: TapRows,
         fast: Option<&dyn FastOps<B>>,
     ) -> Result<(), (Option<usize>, String)> {
         let [tokens, _] = x.dims();
+        let pack: usize = lengths.iter().sum();
+        if rows.len() != tokens || rows.end > pack {
+            return Err((
+                None,
+                format!("rows {rows:?} of a pack of {lengths:?} tokens in a [{tokens}, _] input"),
+            ));
+        }
+        let whole = rows.start == 0 && rows.end == pack;
+        if !whole && matches!(self, InputStats::Full(_) | InputStats::Diagonal(_)) {
+            return Err((
+                None,
+                format!(
+                    "host statistics take whole packs, not rows {rows:?} (the MLP ran in \
+                     chunks of rows: keep the statistics on the device)"
+                ),
+            ));
+        }
+        let (runs, starts) = sample_runs(lengths, rows);
         let host = || {
             fast.and_then(|f| f.to_host(x))
                 .unwrap_or_else(|| host_values(x))
@@ -113,11 +135,11 @@ impl<B: Backend> InputStats<B> {
                 let old = std::mem::replace(sum, placeholder);
                 *sum = match fast {
                     Some(fast) => fast
-                        .accumulate_gram(old, x, lengths)
+                        .accumulate_gram(old, x, &runs)
                         .map_err(|e| (None, e.to_string()))?,
-                    None => gram_reference(old, x, lengths),
+                    None => gram_reference(old, x, &runs),
                 };
-                *samples += lengths.len() as u64;
+                *samples += starts as u64;
                 Ok(())
             }
             InputStats::DeviceDiagonal {
@@ -129,9 +151,9 @@ impl<B: Backend> InputStats<B> {
             } => {
                 // In chunks of rows: three f32 copies of a whole `[T, 16384]` input would be
                 // 26 GB at 131,072 tokens (and each one over CubeCL's largest page but one).
-                let rows = diagonal_chunk_rows(x.dims()[1]);
-                add_channel_sums([square, abs, max], x, lengths, rows);
-                *samples += lengths.len() as u64;
+                let chunk = diagonal_chunk_rows(x.dims()[1]);
+                add_channel_sums([square, abs, max], x, &runs, chunk);
+                *samples += starts as u64;
                 *seen += tokens as u64;
                 Ok(())
             }
@@ -217,17 +239,16 @@ fn add_rows<E>(
     Ok(())
 }
 
-/// `[Σ lengths, 1]`: `f(1/T)` on every row of a sample of `T` tokens.
 /// Adds `x`'s rows, `rows` at a time, to the device channel sums `[Σ w·x², Σ w·|x|, max |x|]`
-/// (each `[1, dim]`), every row weighted by `1/its sample's tokens`.
+/// (each `[1, dim]`), the rows of each run weighted by its weight.
 fn add_channel_sums<B: Backend>(
     [square, abs, max]: [&mut Tensor<B, 2>; 3],
     x: &Tensor<B, 2>,
-    lengths: &[usize],
+    runs: &[RowRun],
     rows: usize,
 ) {
     let [tokens, dim] = x.dims();
-    let weights = row_weights::<B>(lengths, |w| w, &x.device());
+    let weights = row_weights::<B>(runs, &x.device());
     for start in (0..tokens).step_by(rows.max(1)) {
         let end = (start + rows).min(tokens);
         let a = to_f32(x.clone().slice([start..end, 0..dim])).abs();
@@ -247,14 +268,11 @@ pub(crate) fn diagonal_chunk_rows(dim: usize) -> usize {
     (DIAGONAL_CHUNK_BYTES / dim.max(1).saturating_mul(4)).max(1)
 }
 
-fn row_weights<B: Backend>(
-    lengths: &[usize],
-    f: impl Fn(f64) -> f64,
-    device: &B::Device,
-) -> Tensor<B, 2> {
-    let values: Vec<f32> = lengths
+/// `[Σ rows, 1]`: each run's weight on each of its rows.
+fn row_weights<B: Backend>(runs: &[RowRun], device: &B::Device) -> Tensor<B, 2> {
+    let values: Vec<f32> = runs
         .iter()
-        .flat_map(|&len| std::iter::repeat_n(f(1.0 / len as f64) as f32, len))
+        .flat_map(|run| std::iter::repeat_n(run.weight, run.rows))
         .collect();
     let rows = values.len();
     Tensor::from_data(TensorData::new(values, [rows, 1]), (device, DType::F32))
@@ -471,7 +489,12 @@ mod tests {
         let sums = |rows: usize| {
             let zeros = || Tensor::<CpuBackend, 2>::zeros([1, dim], (&device, DType::F32));
             let (mut square, mut abs, mut max) = (zeros(), zeros(), zeros());
-            add_channel_sums([&mut square, &mut abs, &mut max], &x, &lengths, rows);
+            add_channel_sums(
+                [&mut square, &mut abs, &mut max],
+                &x,
+                &sample_runs(&lengths, 0..lengths.iter().sum()).0,
+                rows,
+            );
             [square, abs, max].map(|t| t.into_data().to_vec::<f32>().unwrap())
         };
         let whole = sums(tokens);
@@ -513,7 +536,7 @@ mod tests {
                     one_by_one.add(x).unwrap();
                 }
                 let mut packed = InputStats::<CpuBackend>::new(kind, 3, on_device).unwrap();
-                packed.add_pack(&pack, &lengths, None).unwrap();
+                packed.add_pack(&pack, &lengths, 0..9, None).unwrap();
                 match (
                     one_by_one.finalize("x").unwrap(),
                     packed.finalize("x").unwrap(),
@@ -535,12 +558,49 @@ mod tests {
         }
     }
 
+    /// The device statistics of a pack fed in chunks of rows that cut through its samples
+    /// (as the MLP's row chunks feed `down_proj`'s) equal those of the whole pack; the host
+    /// statistics refuse a chunk.
+    #[test]
+    fn device_statistics_take_a_pack_in_chunks_of_rows() {
+        let values: Vec<f32> = (0..27).map(|k| (k as f32 * 0.61).sin() * 2.0).collect();
+        let lengths = [4, 1, 4];
+        let pack = sample(values.clone(), 9, 3);
+        let device = Default::default();
+        for kind in [StatsKind::Full, StatsKind::Diagonal] {
+            let mut whole = InputStats::<CpuBackend>::new(kind, 3, Some(&device)).unwrap();
+            whole.add_pack(&pack, &lengths, 0..9, None).unwrap();
+            let mut chunked = InputStats::<CpuBackend>::new(kind, 3, Some(&device)).unwrap();
+            for rows in [0..3, 3..7, 7..9] {
+                let part = pack.clone().slice([rows.clone(), 0..3]);
+                chunked.add_pack(&part, &lengths, rows, None).unwrap();
+            }
+            match (whole.finalize("x").unwrap(), chunked.finalize("x").unwrap()) {
+                (a @ Finalized::DeviceFull(_), b @ Finalized::DeviceFull(_)) => close(
+                    &a.host_hessian("x").unwrap().unwrap().to_row_major(),
+                    &b.host_hessian("x").unwrap().unwrap().to_row_major(),
+                ),
+                (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
+                    close(&a.mean_square, &b.mean_square);
+                    close(&a.mean_abs, &b.mean_abs);
+                    assert_eq!(a.abs_max, b.abs_max);
+                    assert_eq!((a.samples, a.tokens), (b.samples, b.tokens));
+                }
+                _ => panic!("same kinds expected"),
+            }
+            let mut host = InputStats::<CpuBackend>::new(kind, 3, None).unwrap();
+            let part = pack.clone().slice([3..7, 0..3]);
+            let (_, message) = host.add_pack(&part, &lengths, 3..7, None).unwrap_err();
+            assert!(message.contains("whole packs"), "{message}");
+        }
+    }
+
     /// A non-finite value in one sample of a pack names that sample (host statistics).
     #[test]
     fn a_bad_sample_in_a_pack_is_named() {
         let mut host = InputStats::<CpuBackend>::new(StatsKind::Full, 2, None).unwrap();
         let pack = sample(vec![1.0, 2.0, 3.0, f32::NAN, 5.0, 6.0], 3, 2);
-        let (index, _) = host.add_pack(&pack, &[1, 2], None).unwrap_err();
+        let (index, _) = host.add_pack(&pack, &[1, 2], 0..3, None).unwrap_err();
         assert_eq!(index, Some(1));
     }
 

@@ -135,38 +135,72 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// `h + Σ_s X_sᵀX_s / T_s` over the samples of `lengths` lying back to back in `x`
-    /// `[Σ T, dim]` (storage dtype): the per-sample-normalised Hessian sums of calibration,
-    /// `h` `[dim, dim]` f32. By default the graph's [`gram_reference`].
+    /// `h + Σ_r w_r X_rᵀX_r` over the runs of rows `runs` lying back to back in `x`
+    /// `[Σ rows, dim]` (storage dtype), `h` `[dim, dim]` f32: with [`sample_runs`]' weights
+    /// `1/T_s`, the per-sample-normalised Hessian sums of calibration. By default the graph's
+    /// [`gram_reference`].
     fn accumulate_gram(
         &self,
         h: Tensor<B, 2>,
         x: &Tensor<B, 2>,
-        lengths: &[usize],
+        runs: &[RowRun],
     ) -> Result<Tensor<B, 2>> {
-        Ok(gram_reference(h, x, lengths))
+        Ok(gram_reference(h, x, runs))
     }
 }
 
-/// `h + Σ_s X_sᵀX_s / T_s` with the backend's f32 matmul: one product of the rows scaled by
-/// `√(1/T_s)` (`Σ_s X_sᵀX_s/T_s = (DX)ᵀ(DX)`), or `XᵀX/T` for a single sample.
+/// Rows of a tensor that share one weight in a weighted sum over rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowRun {
+    /// Consecutive rows.
+    pub rows: usize,
+    /// Their weight.
+    pub weight: f32,
+}
+
+/// The rows `rows` of a pack of samples of `lengths` tokens as runs weighted `1/T` by the
+/// tokens `T` of the sample each row belongs to (neighbouring samples of equal length share
+/// one run), and how many samples start in `rows`: the weights that count every sample once,
+/// as if it had been added alone, whether it arrives whole or in chunks of rows.
+pub fn sample_runs(lengths: &[usize], rows: std::ops::Range<usize>) -> (Vec<RowRun>, usize) {
+    let (mut runs, mut starts) = (Vec::<RowRun>::new(), 0);
+    let offsets = sequence_offsets(lengths);
+    for (&len, span) in lengths.iter().zip(offsets.windows(2)) {
+        let (first, end) = (span[0].max(rows.start), span[1].min(rows.end));
+        if first >= end {
+            continue;
+        }
+        starts += usize::from(span[0] >= rows.start);
+        let weight = 1.0 / len.max(1) as f32;
+        match runs.last_mut() {
+            Some(run) if run.weight == weight => run.rows += end - first,
+            _ => runs.push(RowRun {
+                rows: end - first,
+                weight,
+            }),
+        }
+    }
+    (runs, starts)
+}
+
+/// `h + Σ_r w_r X_rᵀX_r` with the backend's f32 matmul: one product of the rows scaled by
+/// `√w_r` (`Σ_r w_r X_rᵀX_r = (DX)ᵀ(DX)`), or `w XᵀX` for a single run.
 pub fn gram_reference<B: Backend>(
     h: Tensor<B, 2>,
     x: &Tensor<B, 2>,
-    lengths: &[usize],
+    runs: &[RowRun],
 ) -> Tensor<B, 2> {
     let x = to_f32(x.clone());
-    let tokens = x.dims()[0];
-    let gram = match lengths {
-        [_] => x
+    let gram = match runs {
+        [one] => x
             .clone()
             .transpose()
             .matmul(x)
-            .mul_scalar(1.0 / tokens.max(1) as f64),
+            .mul_scalar(one.weight as f64),
         _ => {
-            let values: Vec<f32> = lengths
+            let values: Vec<f32> = runs
                 .iter()
-                .flat_map(|&len| std::iter::repeat_n((1.0 / len.max(1) as f64).sqrt() as f32, len))
+                .flat_map(|run| std::iter::repeat_n((run.weight as f64).sqrt() as f32, run.rows))
                 .collect();
             let rows = values.len();
             let weights = Tensor::<B, 2>::from_data(
@@ -210,7 +244,7 @@ pub use cube::{f32_matrix_view, CudaFastOps};
 /// [`FastOps`] on burn-cuda: the kernels of `sala-kernels` on the tensors' own buffers.
 #[cfg(feature = "cuda")]
 mod cube {
-    use super::{equal_runs, sequence_offsets, FastOps};
+    use super::{sequence_offsets, FastOps, RowRun};
     use crate::error::{ModelError, Result};
     use burn::tensor::{DType, Tensor, TensorPrimitive};
     use burn_cubecl::kernel::into_contiguous;
@@ -348,18 +382,18 @@ mod cube {
             &self,
             h: Tensor<CubeBackend<R, F, I, BT>, 2>,
             x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
-            lengths: &[usize],
+            runs: &[RowRun],
         ) -> Result<Tensor<CubeBackend<R, F, I, BT>, 2>> {
             let Some(blas) = &self.blas else {
-                return Ok(super::gram_reference(h, x, lengths));
+                return Ok(super::gram_reference(h, x, runs));
             };
             if x.dtype() != DType::BF16 || h.dtype() != DType::F32 {
-                return Ok(super::gram_reference(h, x, lengths));
+                return Ok(super::gram_reference(h, x, runs));
             }
             let ([tokens, dim], [rows, cols]) = (x.dims(), h.dims());
-            if rows != dim || cols != dim || lengths.iter().sum::<usize>() != tokens {
+            if rows != dim || cols != dim || runs.iter().map(|r| r.rows).sum::<usize>() != tokens {
                 return Err(ModelError::InvalidInput(format!(
-                    "Hessian [{rows}, {cols}] for inputs [{tokens}, {dim}] in samples {lengths:?}"
+                    "Hessian [{rows}, {cols}] for inputs [{tokens}, {dim}] in runs {runs:?}"
                 )));
             }
             let x = primitive(x.clone());
@@ -375,14 +409,16 @@ mod cube {
                 cols: dim,
                 row_stride: dim,
             };
-            // Neighbours of equal length share their weight 1/T: one run of rows for them
-            // (Σ XᵢᵀXᵢ/T = XᵀX/T over their rows), exact and with a long inner dimension.
-            let runs: Vec<XtxRun> = equal_runs(lengths)
-                .into_iter()
-                .map(|(start, len, count)| XtxRun {
-                    first_row: start,
-                    rows: len * count,
-                    weight: 1.0 / len as f32,
+            let runs: Vec<XtxRun> = runs
+                .iter()
+                .scan(0, |first_row, run| {
+                    let xtx = XtxRun {
+                        first_row: *first_row,
+                        rows: run.rows,
+                        weight: run.weight,
+                    };
+                    *first_row += run.rows;
+                    Some(xtx)
                 })
                 .collect();
             let all = Bf16Matrix {
@@ -721,5 +757,35 @@ mod cube {
             );
             Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows cutting through samples are weighted by their whole sample's length, neighbours of
+    /// equal length share a run, and a sample counts where it starts.
+    #[test]
+    fn sample_runs_weigh_rows_by_their_whole_sample() {
+        let lengths = [4, 4, 2, 6];
+        let run = |rows, weight| RowRun { rows, weight };
+        assert_eq!(
+            sample_runs(&lengths, 0..16),
+            (vec![run(8, 0.25), run(2, 0.5), run(6, 1.0 / 6.0)], 4)
+        );
+        assert_eq!(
+            sample_runs(&lengths, 2..9),
+            (vec![run(6, 0.25), run(1, 0.5)], 2)
+        );
+        assert_eq!(sample_runs(&lengths, 11..14), (vec![run(3, 1.0 / 6.0)], 0));
+        assert_eq!(sample_runs(&lengths, 5..5), (vec![], 0));
+        let chunks = [0..3, 3..10, 10..16].map(|r| sample_runs(&lengths, r));
+        let total: usize = chunks.iter().map(|(_, starts)| starts).sum();
+        assert_eq!(
+            total,
+            lengths.len(),
+            "every sample counts once over the chunks"
+        );
     }
 }

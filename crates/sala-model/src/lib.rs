@@ -43,10 +43,10 @@ pub use device::{cuda_memory, enable_kernel_cache, kernel_cache_dir, CudaBackend
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
 pub use fast::{f32_matrix_view, CudaFastOps};
-pub use fast::{gram_reference, sequence_offsets, FastOps};
+pub use fast::{gram_reference, sample_runs, sequence_offsets, FastOps, RowRun};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{nearest_bf16, round_to_bf16, to_f32, Numerics};
-pub use runner::{AttentionMode, EmbeddingTable, LayerRunner, RunOptions};
+pub use runner::{AttentionMode, EmbeddingTable, LayerRunner, RunOptions, TapRows};
 pub use safetensors::Dtype;
 pub use source::{DeviceLayerWeights, LayerSource};
 pub use store::{containment_root, TensorInfo, TensorStore, INDEX_FILE, SINGLE_FILE};

@@ -42,6 +42,11 @@ pub struct RunOptions {
     pub gla_chunk: usize,
     /// Maximum score-matrix elements per query block of softmax attention.
     pub score_budget: usize,
+    /// Rows per chunk of the MLP (gate, up, SwiGLU, down): a pack longer than this runs its
+    /// MLP a chunk at a time, so that `[rows, 3 × intermediate]` of intermediates live at once
+    /// instead of the whole pack's. `None` runs every pack's rows at once. Row-wise, so the
+    /// output is the same; `down_proj`'s tap then sees one chunk per call.
+    pub mlp_rows: Option<usize>,
 }
 
 impl Default for RunOptions {
@@ -51,6 +56,7 @@ impl Default for RunOptions {
             attention: AttentionMode::FollowConfig,
             gla_chunk: 64,
             score_budget: DEFAULT_SCORE_BUDGET,
+            mlp_rows: None,
         }
     }
 }
@@ -70,6 +76,9 @@ pub struct LayerRunner<B: Backend> {
     /// RoPE tables of the longest sequence seen so far, kept on the device between calls.
     rope: Arc<Mutex<Option<RopeTables<B>>>>,
 }
+
+/// What a tap sees: the module name, the linear's input, and the rows of the pack it holds.
+pub type TapRows = std::ops::Range<usize>;
 
 /// Mixer steps: the normed layer input and the linears' tap, shared by the layer kinds.
 type Apply<'f, B> = dyn FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>> + 'f;
@@ -451,10 +460,12 @@ impl<B: Backend> LayerRunner<B> {
 
     /// Runs decoder layer `weights.layer` on `hidden` `[tokens, hidden]` and returns its output.
     ///
-    /// `tap(name, x)` is called once per linear, in forward order, with the full module name
-    /// (`model.layers.3.self_attn.q_proj`) and the exact `[tokens, in]` tensor that linear
-    /// multiplies. Linears reading the same input (q/k/v and the gate; gate/up) get the same
-    /// tensor, one call per name; the clone is a reference, not a copy.
+    /// `tap(name, x, rows)` is called once per linear, in forward order, with the full module
+    /// name (`model.layers.3.self_attn.q_proj`), the exact `[tokens, in]` tensor that linear
+    /// multiplies, and the rows it holds (`0..tokens`). Linears reading the same input (q/k/v
+    /// and the gate; gate/up) get the same tensor, one call per name; the clone is a
+    /// reference, not a copy. Under [`RunOptions::mlp_rows`], `down_proj` is tapped once per
+    /// chunk of rows, in order.
     pub fn run_layer<F>(
         &self,
         weights: &LayerWeights,
@@ -462,7 +473,7 @@ impl<B: Backend> LayerRunner<B> {
         tap: F,
     ) -> Result<Tensor<B, 2>>
     where
-        F: FnMut(&str, &Tensor<B, 2>),
+        F: FnMut(&str, &Tensor<B, 2>, TapRows),
     {
         self.run_layer_from(weights, hidden, tap)
     }
@@ -477,7 +488,7 @@ impl<B: Backend> LayerRunner<B> {
         tap: F,
     ) -> Result<Tensor<B, 2>>
     where
-        F: FnMut(&str, &Tensor<B, 2>),
+        F: FnMut(&str, &Tensor<B, 2>, TapRows),
     {
         let tokens = hidden.dims()[0];
         self.run_pack_from(weights, hidden, &[tokens], tap)
@@ -496,7 +507,7 @@ impl<B: Backend> LayerRunner<B> {
         tap: F,
     ) -> Result<Tensor<B, 2>>
     where
-        F: FnMut(&str, &Tensor<B, 2>),
+        F: FnMut(&str, &Tensor<B, 2>, TapRows),
     {
         let out = self.forward(weights, hidden, lengths, tap, true)?;
         out.ok_or_else(|| ModelError::InvalidInput("the layer produced no output".into()))
@@ -513,7 +524,7 @@ impl<B: Backend> LayerRunner<B> {
         tap: F,
     ) -> Result<()>
     where
-        F: FnMut(&str, &Tensor<B, 2>),
+        F: FnMut(&str, &Tensor<B, 2>, TapRows),
     {
         self.forward(weights, hidden, lengths, tap, false)
             .map(|_| ())
@@ -539,7 +550,7 @@ impl<B: Backend> LayerRunner<B> {
         full: bool,
     ) -> Result<Option<Tensor<B, 2>>>
     where
-        F: FnMut(&str, &Tensor<B, 2>),
+        F: FnMut(&str, &Tensor<B, 2>, TapRows),
     {
         let w = self.device_layer(weights, &hidden)?;
         Self::check_lengths(lengths, hidden.dims()[0])?;
@@ -547,7 +558,7 @@ impl<B: Backend> LayerRunner<B> {
         let layer = weights.layer();
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
         let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
-            tap(&format!("{}.{name}", w.prefix), &x);
+            tap(&format!("{}.{name}", w.prefix), &x, 0..x.dims()[0]);
             self.linear(x, w.tensor(name, shape)?)
         };
         let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?)?;
@@ -562,15 +573,35 @@ impl<B: Backend> LayerRunner<B> {
             h.clone(),
             w.tensor("post_attention_layernorm", [hidden_size])?,
         )?;
-        let gate = apply("mlp.gate_proj", m.clone(), [inter, hidden_size])?;
-        let up = apply("mlp.up_proj", m, [inter, hidden_size])?;
-        let act = self.swiglu(gate, up)?;
-        if !full {
-            tap(&format!("{}.mlp.down_proj", w.prefix), &act);
-            return Ok(None);
+        let tokens = m.dims()[0];
+        for name in ["mlp.gate_proj", "mlp.up_proj"] {
+            tap(&format!("{}.{name}", w.prefix), &m, 0..tokens);
         }
-        let down = apply("mlp.down_proj", act, [hidden_size, inter])?;
-        Ok(Some(self.residual(h, down)?))
+        let (gate, up, down) = (
+            w.tensor("mlp.gate_proj", [inter, hidden_size])?,
+            w.tensor("mlp.up_proj", [inter, hidden_size])?,
+            w.tensor("mlp.down_proj", [hidden_size, inter])?,
+        );
+        let chunk = self.options.mlp_rows.unwrap_or(tokens).max(1);
+        let mut outputs = Vec::with_capacity(tokens.div_ceil(chunk));
+        for start in (0..tokens).step_by(chunk) {
+            let rows = start..(start + chunk).min(tokens);
+            let part = |x: &Tensor<B, 2>| match rows.len() == tokens {
+                true => x.clone(),
+                false => x.clone().slice([rows.clone(), 0..hidden_size]),
+            };
+            let m_rows = part(&m);
+            let act = self.swiglu(
+                self.linear(m_rows.clone(), gate.clone())?,
+                self.linear(m_rows, up.clone())?,
+            )?;
+            tap(&format!("{}.mlp.down_proj", w.prefix), &act, rows.clone());
+            if full {
+                let out = self.linear(act, down.clone())?;
+                outputs.push(self.residual(part(&h), out)?);
+            }
+        }
+        Ok(full.then(|| concat_rows(outputs)))
     }
 
     /// `x·wᵀ`: the [`FastOps`] product where it has one, else the graph's [`linear`].
@@ -872,7 +903,7 @@ impl<B: Backend> LayerRunner<B> {
         let mut hidden = self.embed(store, ids)?;
         for layer in 0..self.config.num_layers() {
             let weights = LayerWeights::load(store, &self.config, layer)?;
-            hidden = self.run_layer(&weights, hidden, |_, _| {})?;
+            hidden = self.run_layer(&weights, hidden, |_, _, _| {})?;
         }
         self.logits(&HeadWeights::load(store, &self.config)?, hidden)
     }

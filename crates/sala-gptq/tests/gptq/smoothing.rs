@@ -70,7 +70,9 @@ fn every_group_of_every_layer_preserves_the_layer_output() {
             Distribution::Normal(0.0, 1.0),
             runner.device(),
         );
-        let y = runner.run_layer(&original, x.clone(), |_, _| {}).unwrap();
+        let y = runner
+            .run_layer(&original, x.clone(), |_, _, _| {})
+            .unwrap();
         for group in input_groups(&config, layer)
             .iter()
             .filter_map(smooth_group_of)
@@ -81,7 +83,7 @@ fn every_group_of_every_layer_preserves_the_layer_output() {
                 scales.iter().any(|&s| (s - 1.0).abs() > 0.1),
                 "a trivial fold proves nothing"
             );
-            let z = runner.run_layer(&weights, x.clone(), |_, _| {}).unwrap();
+            let z = runner.run_layer(&weights, x.clone(), |_, _, _| {}).unwrap();
             let change = relative_change(&y, &z);
             assert!(
                 change < TOLERANCE,
@@ -111,7 +113,7 @@ fn smoothing_every_group_preserves_the_logits() {
         {
             fold_randomly(&mut weights, &group, &mut rng);
         }
-        hidden = runner.run_layer(&weights, hidden, |_, _| {}).unwrap();
+        hidden = runner.run_layer(&weights, hidden, |_, _, _| {}).unwrap();
     }
     let head = sala_gptq::model::HeadWeights::load(&store, &config).unwrap();
     let logits = runner.logits(&head, hidden).unwrap();
@@ -148,9 +150,11 @@ fn forgetting_o_gate_is_refused_and_would_change_the_layer() {
         Distribution::Normal(0.0, 1.0),
         runner.device(),
     );
-    let y = runner.run_layer(&original, x.clone(), |_, _| {}).unwrap();
+    let y = runner
+        .run_layer(&original, x.clone(), |_, _, _| {})
+        .unwrap();
     let mut weights = original.clone();
     fold_randomly(&mut weights, &buggy, &mut Lcg(3));
-    let z = runner.run_layer(&weights, x, |_, _| {}).unwrap();
+    let z = runner.run_layer(&weights, x, |_, _, _| {}).unwrap();
     assert!(relative_change(&y, &z) > 100.0 * TOLERANCE);
 }

@@ -31,7 +31,7 @@ fn run_with_taps(
     let mut order = Vec::new();
     let mut inputs = BTreeMap::new();
     let out = runner
-        .run_layer(weights, hidden, |name, x| {
+        .run_layer(weights, hidden, |name, x, _| {
             order.push(name.to_owned());
             inputs.insert(name.to_owned(), x.clone());
         })
@@ -164,7 +164,7 @@ fn minicpm4_layer_refuses_long_sequences_unless_dense_mode() {
     let hidden = strict.embed(&store, &ids(16)).unwrap();
     let sparse_layer = LayerWeights::load(&store, &config, 0).unwrap();
     let err = strict
-        .run_layer(&sparse_layer, hidden.clone(), |_, _| {})
+        .run_layer(&sparse_layer, hidden.clone(), |_, _, _| {})
         .unwrap_err();
     assert!(matches!(
         err,
@@ -176,17 +176,21 @@ fn minicpm4_layer_refuses_long_sequences_unless_dense_mode() {
     ));
     // One token fewer is dense under the config's own rule; lightning layers never care.
     let shorter = strict.embed(&store, &ids(15)).unwrap();
-    strict.run_layer(&sparse_layer, shorter, |_, _| {}).unwrap();
+    strict
+        .run_layer(&sparse_layer, shorter, |_, _, _| {})
+        .unwrap();
     let lightning = LayerWeights::load(&store, &config, 1).unwrap();
     strict
-        .run_layer(&lightning, hidden.clone(), |_, _| {})
+        .run_layer(&lightning, hidden.clone(), |_, _, _| {})
         .unwrap();
     let options = RunOptions {
         attention: AttentionMode::Dense,
         ..RunOptions::default()
     };
     let dense = LayerRunner::<B>::new(config, Default::default(), options);
-    let out = dense.run_layer(&sparse_layer, hidden, |_, _| {}).unwrap();
+    let out = dense
+        .run_layer(&sparse_layer, hidden, |_, _, _| {})
+        .unwrap();
     assert!(to_vec(out).iter().all(|v| v.is_finite()));
 }
 
@@ -197,7 +201,7 @@ fn bad_inputs_are_errors_not_panics() {
     assert!(runner.embed(&store, &[]).is_err());
     let weights = LayerWeights::load(&store, &config, 1).unwrap();
     let err = runner
-        .run_layer(&weights, random([4, 100]), |_, _| {})
+        .run_layer(&weights, random([4, 100]), |_, _, _| {})
         .unwrap_err();
     assert!(err.to_string().contains("[4, 100]"), "{err}");
     let mut broken = weights.clone();
@@ -207,7 +211,7 @@ fn bad_inputs_are_errors_not_panics() {
         .data
         .pop();
     let err = runner
-        .run_layer(&broken, random([4, 256]), |_, _| {})
+        .run_layer(&broken, random([4, 256]), |_, _, _| {})
         .unwrap_err();
     assert!(err.to_string().contains("q_proj"), "{err}");
     assert!(LayerWeights::load(&store, &config, 8).is_err());
@@ -310,7 +314,7 @@ fn check_pack(model: &str, layer: usize) {
     let pack = Tensor::cat(sequences.clone(), 0);
     let mut pack_taps = BTreeMap::new();
     let packed = runner
-        .run_pack_from(&weights, pack.clone(), &lengths, |name, x| {
+        .run_pack_from(&weights, pack.clone(), &lengths, |name, x, _| {
             pack_taps.insert(name.to_owned(), x.clone());
         })
         .unwrap();
@@ -337,7 +341,7 @@ fn check_pack(model: &str, layer: usize) {
     }
     let mut captured = BTreeMap::new();
     runner
-        .capture_pack_from(&weights, pack, &lengths, |name, x| {
+        .capture_pack_from(&weights, pack, &lengths, |name, x, _| {
             captured.insert(name.to_owned(), x.clone());
         })
         .unwrap();
@@ -349,10 +353,10 @@ fn check_pack(model: &str, layer: usize) {
         assert_close(x, pack_taps[&name].clone(), &format!("capture {name}"));
     }
     let single = runner
-        .run_pack_from(&weights, sequences[0].clone(), &lengths[..1], |_, _| {})
+        .run_pack_from(&weights, sequences[0].clone(), &lengths[..1], |_, _, _| {})
         .unwrap();
     let plain = runner
-        .run_layer(&weights, sequences[0].clone(), |_, _| {})
+        .run_layer(&weights, sequences[0].clone(), |_, _, _| {})
         .unwrap();
     assert_eq!(to_vec(single), to_vec(plain));
 }
@@ -364,6 +368,65 @@ fn packs_run_each_sequence_as_alone_in_every_layer_kind() {
     check_pack("tiny-llama", 0);
 }
 
+/// An MLP run in chunks of rows (`RunOptions::mlp_rows`, chunks cutting through the pack's
+/// sequences) gives the output of the whole pack at once, and `down_proj`'s taps, one per
+/// chunk in order with the rows they hold, stack up to the whole pack's tap; the capture-only
+/// pass taps the same chunks.
+#[test]
+fn a_chunked_mlp_gives_the_whole_packs_output_and_taps() {
+    let (config, store) = open("tiny-sala");
+    let whole = LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default());
+    let chunked = LayerRunner::<B>::new(
+        config.clone(),
+        Default::default(),
+        RunOptions {
+            mlp_rows: Some(8),
+            ..RunOptions::default()
+        },
+    );
+    let lengths = [13, 7, 1];
+    let pack = whole.embed(&store, &ids(21)).unwrap();
+    let down = |layer: usize| format!("model.layers.{layer}.mlp.down_proj");
+    for layer in [0, 1] {
+        let weights = LayerWeights::load(&store, &config, layer).unwrap();
+        let mut full_tap = None;
+        let expected = whole
+            .run_pack_from(&weights, pack.clone(), &lengths, |name, x, rows| {
+                if name == down(layer) {
+                    assert_eq!(rows, 0..21);
+                    full_tap = Some(x.clone());
+                }
+            })
+            .unwrap();
+        let (mut parts, mut seen) = (Vec::new(), Vec::new());
+        let out = chunked
+            .run_pack_from(&weights, pack.clone(), &lengths, |name, x, rows| {
+                if name == down(layer) {
+                    assert_eq!(x.dims()[0], rows.len());
+                    seen.push(rows);
+                    parts.push(x.clone());
+                }
+            })
+            .unwrap();
+        assert_eq!(seen, vec![0..8, 8..16, 16..21]);
+        assert_close(out, expected, &format!("layer {layer} output"));
+        assert_close(
+            Tensor::cat(parts, 0),
+            full_tap.unwrap(),
+            &format!("layer {layer} down_proj tap"),
+        );
+        let mut captured = Vec::new();
+        chunked
+            .capture_pack_from(&weights, pack.clone(), &lengths, |name, _, rows| {
+                if name == down(layer) {
+                    captured.push(rows);
+                }
+            })
+            .unwrap();
+        assert_eq!(captured, seen);
+    }
+}
+
 #[test]
 fn pack_lengths_must_split_the_rows() {
     let (config, store) = open("tiny-sala");
@@ -372,7 +435,7 @@ fn pack_lengths_must_split_the_rows() {
     let hidden = runner.embed(&store, &ids(10)).unwrap();
     for lengths in [&[4, 5][..], &[10, 0], &[], &[11]] {
         let err = runner
-            .run_pack_from(&weights, hidden.clone(), lengths, |_, _| {})
+            .run_pack_from(&weights, hidden.clone(), lengths, |_, _, _| {})
             .unwrap_err();
         assert!(
             err.to_string().contains("do not split a pack of 10"),

@@ -43,9 +43,11 @@ fn device_weights_run_exactly_like_host_weights() {
         let host = LayerWeights::load(&store, &config, layer).unwrap();
         let device = DeviceLayerWeights::new(&config, layer, flat_tensors(&config, &host)).unwrap();
         assert_eq!(LayerSource::<B>::kind(&device), config.layer_kind(layer));
-        let expected = runner.run_layer(&host, hidden.clone(), |_, _| {}).unwrap();
+        let expected = runner
+            .run_layer(&host, hidden.clone(), |_, _, _| {})
+            .unwrap();
         let got = runner
-            .run_layer_from(&device, hidden.clone(), |_, _| {})
+            .run_layer_from(&device, hidden.clone(), |_, _, _| {})
             .unwrap();
         assert_eq!(to_vec(got), to_vec(expected), "layer {layer}");
     }
@@ -107,7 +109,9 @@ fn gradients_reach_every_device_weight() {
     let device = DeviceLayerWeights::new(&config, layer, tensors.clone()).unwrap();
     let runner = LayerRunner::<A>::new(config.clone(), Default::default(), RunOptions::default());
     let hidden = Tensor::<A, 2>::from_inner(random([24, config.hidden_size()]));
-    let out = runner.run_layer_from(&device, hidden, |_, _| {}).unwrap();
+    let out = runner
+        .run_layer_from(&device, hidden, |_, _, _| {})
+        .unwrap();
     let grads = (out.clone() * out).sum().backward();
     for (spec, tensor) in config.layer_tensor_specs(layer).iter().zip(&tensors) {
         let grad = tensor
