@@ -167,9 +167,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         self.layer_peak = max_memory(self.layer_peak, now);
     }
 
-    /// Hands the device allocator's free pages back to the driver (a no-op on the CPU): the
-    /// pool keeps every page it ever allocated otherwise, so one stage's large buffers would
-    /// stay reserved through the next.
+    /// Hands the device allocator's free buffers back (a no-op on the CPU), after every pack,
+    /// linear and stage: CubeCL's pools keep every page they ever allocated otherwise, and its
+    /// exact-size pool on CUDA reuses a freed buffer only for one of the same size, so one
+    /// pack's buffers would stay reserved through the next.
     fn release_free_pages(&mut self) {
         self.sample_memory();
         B::memory_cleanup(self.runner.device());
@@ -535,7 +536,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 (Err(e), _) => self.pack_failed(&pack, layer, &e.to_string())?,
                 (Ok(()), Some((None, message))) => self.pack_failed(&pack, layer, &message)?,
             }
-            self.sample_memory();
+            self.release_free_pages();
             for _ in &pack {
                 progress.step();
             }
@@ -732,6 +733,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.seconds = seconds_since(t);
             self.linears.push(report);
             solved.push((linear.name.clone(), result));
+            self.release_free_pages();
             progress.step();
         }
         Ok(solved)
@@ -893,7 +895,13 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         for pack in self.packs() {
             let lengths = self.lengths(&pack);
             let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
-            match runner.run_pack_from(&device_weights, input, &lengths, |_, _, _| {}) {
+            // Read at the taps, while the pack's intermediates are alive.
+            let (probe, device, mut tap_peak) = (self.memory, runner.device(), None);
+            let result = runner.run_pack_from(&device_weights, input, &lengths, |_, _, _| {
+                tap_peak = max_memory(tap_peak, probe.and_then(|probe| probe(device)));
+            });
+            self.layer_peak = max_memory(self.layer_peak, tap_peak);
+            match result {
                 Ok(y) => {
                     let mut start = 0;
                     for (&i, &len) in pack.iter().zip(&lengths) {
@@ -903,7 +911,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 }
                 Err(e) => self.pack_failed(&pack, layer, &e.to_string())?,
             }
-            self.sample_memory();
+            self.release_free_pages();
             for _ in &pack {
                 progress.step();
             }

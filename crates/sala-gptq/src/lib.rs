@@ -86,4 +86,6 @@ pub type CpuBackend = burn_ndarray::NdArray<f32>;
 /// [`model::Numerics::Bf16Storage`], and give the pipeline [`model::cuda_memory`] as its
 /// memory probe.
 #[cfg(feature = "cuda")]
-pub use sala_model::{cuda_memory, enable_kernel_cache, kernel_cache_dir, CudaBackend, CudaDevice};
+pub use sala_model::{
+    configure_cuda_runtime, cuda_memory, kernel_cache_dir, CudaBackend, CudaDevice,
+};

@@ -39,7 +39,7 @@ pub use config::{
 pub use cpu_fast::CpuFastOps;
 pub use device::DeviceMemory;
 #[cfg(feature = "cuda")]
-pub use device::{cuda_memory, enable_kernel_cache, kernel_cache_dir, CudaBackend, CudaDevice};
+pub use device::{configure_cuda_runtime, cuda_memory, kernel_cache_dir, CudaBackend, CudaDevice};
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
 pub use fast::{f32_matrix_view, CudaFastOps};

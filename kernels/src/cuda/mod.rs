@@ -106,6 +106,63 @@ pub fn device_memory_info(ordinal: usize) -> Result<(u64, u64), KernelError> {
     Ok((free as u64, total as u64))
 }
 
+/// The default memory pool of CUDA device `ordinal`: where CubeCL's stream-ordered
+/// allocations (`cuMemAllocAsync`) come from. Retains the primary context, CubeCL's.
+fn default_memory_pool(
+    ordinal: usize,
+) -> Result<(Arc<CudaContext>, cudarc::driver::sys::CUmemoryPool), KernelError> {
+    use cudarc::driver::sys;
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("CUDA context", e))?;
+    ctx.bind_to_thread()
+        .map_err(|e| driver_error("binding the CUDA context", e))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer and the device comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| driver_error("cuDeviceGetDefaultMemPool", e))?;
+    Ok((ctx, pool))
+}
+
+/// Lets the default memory pool of device `ordinal` keep up to `bytes` of freed memory
+/// across synchronizations (CUDA's default is 0: everything freed goes back to the driver at
+/// the next synchronization, and is mapped again by the next allocation). With CubeCL
+/// allocating every buffer at its exact size and the pipeline releasing them after each
+/// pack, this is what makes the next pack's allocations cheap.
+pub fn set_pool_release_threshold(ordinal: usize, bytes: u64) -> Result<(), KernelError> {
+    use cudarc::driver::sys;
+    let (_ctx, pool) = default_memory_pool(ordinal)?;
+    let mut value = bytes;
+    // SAFETY: the release threshold is a `cuuint64_t` attribute; `value` outlives the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
+}
+
+/// Bytes the default memory pool of device `ordinal` holds from the driver now (its live
+/// allocations and the freed memory it keeps): the stream-ordered allocator's footprint.
+pub fn pool_reserved_bytes(ordinal: usize) -> Result<u64, KernelError> {
+    use cudarc::driver::sys;
+    let (_ctx, pool) = default_memory_pool(ordinal)?;
+    let mut value = 0u64;
+    // SAFETY: the reserved size is a `cuuint64_t` attribute; `value` outlives the call.
+    unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+    Ok(value)
+}
+
 /// A context handle on the device's primary context and one non-blocking stream, shared by
 /// the cuBLAS and cuSOLVER wrappers.
 #[derive(Debug)]
