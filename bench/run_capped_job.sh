@@ -10,7 +10,8 @@
 # and BIN/kcache.tgz, when present, is a kernel cache from an earlier run. make_fixture writes
 # the full-size random-weight model to /tmp/sala-full-size unless it is there. OUT receives
 # TAG.log (the command's log with GNU time's figures), TAG-report.json, TAG-gpumem.txt
-# (nvidia-smi's used MiB every 2 s), TAG-holder.log and kcache.tgz. QTIMEOUT bounds the run.
+# (nvidia-smi's used MiB every 2 s), TAG-rss.txt (the resident set by kind every 2 s),
+# TAG-sha256.txt (the checkpoint's shards), TAG-holder.log and kcache.tgz. QTIMEOUT bounds the run.
 set -u
 CAP=$1; RECIPE=$2; TAG=$3; shift 3
 B=${BIN:-.device-bin}
@@ -45,6 +46,14 @@ PY
 fi
 (while true; do echo "$SECONDS $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)"; sleep 2; done) > $OUT/$TAG-gpumem.txt &
 SAMPLER=$!
+# The run's resident set by kind (kB): anonymous (heap, pinned staging), file-backed (mapped
+# model and checkpoint pages), shared; every 2 s.
+(while true; do
+  pid=$(pgrep -x quantize_sala | head -1)
+  [ -n "$pid" ] && echo "$SECONDS $(awk '/^(VmRSS|RssAnon|RssFile|RssShmem):/ {printf "%s %s ", $1, $2}' /proc/$pid/status 2>/dev/null)"
+  sleep 2
+done) > $OUT/$TAG-rss.txt &
+RSS_SAMPLER=$!
 rm -rf /tmp/q-out
 t=$SECONDS
 timeout --signal=INT --kill-after=10 ${QTIMEOUT:-540} /usr/bin/time -v $B/quantize_sala --device cuda --recipe $RECIPE \
@@ -52,9 +61,14 @@ timeout --signal=INT --kill-after=10 ${QTIMEOUT:-540} /usr/bin/time -v $B/quanti
   --max-samples 96 --max-len 131072 "$@" > $OUT/$TAG.log 2>&1
 rc=$?
 echo "== $TAG rc=$rc wall=$((SECONDS - t)) s" | tee -a $OUT/$TAG.log
-kill $SAMPLER 2>/dev/null; [ -n "$HOLDER" ] && kill $HOLDER 2>/dev/null
+kill $SAMPLER $RSS_SAMPLER 2>/dev/null; [ -n "$HOLDER" ] && kill $HOLDER 2>/dev/null
 cp /tmp/q-out/quantization_report.json $OUT/$TAG-report.json 2>/dev/null
+# The checkpoint's bytes, to compare runs under different caps.
+(cd /tmp/q-out 2>/dev/null && sha256sum *.safetensors > $OUT/$TAG-sha256.txt)
 tar czf $OUT/kcache.tgz target/sala-kernels target/autotune target/cuda-jit 2>/dev/null
 ls -la $OUT
 grep -v "^\s*$" $OUT/$TAG.log | tail -45
 sort -k2 -n $OUT/$TAG-gpumem.txt | tail -1 | sed 's/^/peak nvidia-smi MiB used: /'
+for k in VmRSS RssAnon RssFile RssShmem; do
+  awk -v k="$k:" '{for (i = 2; i < NF; i++) if ($i == k && $(i+1) > m) {m = $(i+1); t = $1}} END {printf "peak %s %.2f GB at %s s\n", k, m / 1e6, t}' $OUT/$TAG-rss.txt
+done

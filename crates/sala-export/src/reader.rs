@@ -271,12 +271,39 @@ impl Checkpoint {
         })
     }
 
-    /// A tensor decoded to f32 (floating-point, FP8 and integer dtypes).
+    /// Drops the resident pages of tensor `name`'s bytes from this process (a later read maps
+    /// them in again from the page cache or the file): a pass over every tensor of a
+    /// multi-GB checkpoint would otherwise keep all of it in the resident set. Best effort: an
+    /// unknown name or a refusal of the kernel changes nothing.
+    pub fn release(&self, name: &str) {
+        #[cfg(unix)]
+        if let Some(shard) = self.locations.get(name).map(|&s| &self.shards[s]) {
+            if let Some(info) = shard.metadata.info(name) {
+                let start = 8 + shard.header_len + info.data_offsets.0;
+                let len = info.data_offsets.1 - info.data_offsets.0;
+                // SAFETY: the mapping is read-only and backed by a file nobody may change while
+                // the checkpoint is open: after MADV_DONTNEED a read maps the very same bytes
+                // in again, so views borrowed from the map keep their values.
+                let _ = unsafe {
+                    shard.mmap.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start,
+                        len,
+                    )
+                };
+            }
+        }
+    }
+
+    /// A tensor decoded to f32 (floating-point, FP8 and integer dtypes); its mapped pages are
+    /// released afterwards ([`Checkpoint::release`]).
     pub fn tensor_f32(&self, name: &str) -> Result<DenseTensor, ExportError> {
         let view = self.tensor(name)?;
+        let values = decode_f32(name, view.dtype(), view.data())?;
+        self.release(name);
         Ok(DenseTensor {
             shape: view.shape().to_vec(),
-            values: decode_f32(name, view.dtype(), view.data())?,
+            values,
         })
     }
 

@@ -322,6 +322,7 @@ impl Verifier<'_> {
             if let Some(index) = first_non_finite(view.data(), view.dtype()) {
                 found.push((name.to_string(), index));
             }
+            self.ck.release(name);
         }
         for (name, index) in found {
             let detail = format!("NaN or infinity at flat index {index}");
