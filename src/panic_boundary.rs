@@ -18,8 +18,8 @@ static PLACE: Mutex<String> = Mutex::new(String::new());
 /// What the runtime says when an allocation fails (CubeCL's CUDA server).
 const ALLOCATION_FAILED: &str = "can't allocate buffer of size: ";
 
-/// Replaces the default panic hook (which prints a backtrace hint) by one that keeps the first
-/// panic's message for [`run_guarded`].
+/// Replaces the default panic hook by one that keeps the first panic's message for
+/// [`run_guarded`] (and prints its backtrace when `RUST_BACKTRACE` asks for one).
 pub fn install_hook() {
     std::panic::set_hook(Box::new(|info| {
         let message = info
@@ -32,6 +32,11 @@ pub fn install_hook() {
             Some(at) => format!("{message} (at {}:{})", at.file(), at.line()),
             None => message,
         };
+        // A genuine bug needs its trace: printed at once when RUST_BACKTRACE asks for it.
+        let trace = std::backtrace::Backtrace::capture();
+        if trace.status() == std::backtrace::BacktraceStatus::Captured {
+            eprintln!("panic: {located}\n{trace}");
+        }
         if let Ok(mut first) = FIRST_PANIC.lock() {
             first.get_or_insert(located);
         }
@@ -93,7 +98,9 @@ pub fn describe(message: &str, place: &str, budget: Option<u64>) -> String {
             "the GPU ran out of memory {place}, with {budget}; lower --max-device-memory \
              (smaller packs, hidden states on the host) or --max-len ({message})"
         ),
-        _ => format!("internal error {place}: {message}"),
+        _ => format!(
+            "internal error {place}: {message} (RUST_BACKTRACE=1 prints where it came from)"
+        ),
     }
 }
 
@@ -112,10 +119,11 @@ mod tests {
         assert!(line.contains("--max-device-memory"), "{line}");
         assert!(!line.contains('\n'));
         let other = describe("index out of bounds", "", None);
-        assert_eq!(
-            other,
-            "internal error before the first layer: index out of bounds"
+        assert!(
+            other.starts_with("internal error before the first layer: index out of bounds"),
+            "{other}"
         );
+        assert!(other.contains("RUST_BACKTRACE=1"), "{other}");
     }
 
     #[test]

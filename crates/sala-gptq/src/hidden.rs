@@ -204,7 +204,8 @@ impl<B: Backend> HiddenStates<B> {
         }
     }
 
-    /// Stores sample `i` from host bf16 values (`[tokens_i, hidden]`), copied in parallel.
+    /// Stores sample `i` from host bf16 values (`[tokens_i, hidden]`), copied in parallel (one
+    /// upload on the device).
     fn set_bf16(&mut self, i: usize, values: &[bf16]) {
         let range = self.offsets[i]..self.offsets[i + 1];
         debug_assert_eq!(values.len(), range.len());
@@ -221,9 +222,10 @@ impl<B: Backend> HiddenStates<B> {
                         d.copy_from_slice(&s.to_le_bytes());
                     }
                 }),
-            Storage::Device(_) => {
-                let values: Vec<f32> = values.iter().map(|x| x.to_f32()).collect();
-                self.set(i, &values);
+            Storage::Device(v) => {
+                let data =
+                    TensorData::new(values.to_vec(), [range.len() / self.hidden, self.hidden]);
+                v[i] = Some(Tensor::from_data(data, (&self.device, self.dtype)));
             }
         }
     }
@@ -278,16 +280,9 @@ impl<B: Backend> HiddenStates<B> {
                     TensorData::new(values.to_vec(), [range.len() / self.hidden, self.hidden]);
                 v[i] = Some(Tensor::from_data(data, (&self.device, self.dtype)));
             }
-            Storage::Memory(v) => {
-                for (d, &s) in v[range].iter_mut().zip(values) {
-                    *d = bf16::from_f32(s);
-                }
-            }
-            Storage::Disk(map) => {
-                let bytes = &mut map[range.start * 2..range.end * 2];
-                for (d, &s) in bytes.chunks_exact_mut(2).zip(values) {
-                    d.copy_from_slice(&bf16::from_f32(s).to_le_bytes());
-                }
+            _ => {
+                let rounded: Vec<bf16> = values.par_iter().map(|&x| bf16::from_f32(x)).collect();
+                self.set_bf16(i, &rounded);
             }
         }
     }
@@ -295,19 +290,14 @@ impl<B: Backend> HiddenStates<B> {
     /// Sample `i` as host f32 `[tokens_i, hidden]` (downloaded from the device when it lives
     /// there).
     pub fn get(&self, i: usize) -> Vec<f32> {
-        let range = self.offsets[i]..self.offsets[i + 1];
-        match &self.storage {
-            Storage::Device(_) => self
+        match self.host_bf16(i) {
+            Some(values) => values.par_iter().map(|x| x.to_f32()).collect(),
+            None => self
                 .load(i)
                 .into_data()
                 .convert::<f32>()
                 .into_vec::<f32>()
                 .unwrap_or_default(),
-            Storage::Memory(v) => v[range].iter().map(|x| x.to_f32()).collect(),
-            Storage::Disk(map) => map[range.start * 2..range.end * 2]
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
         }
     }
 }
