@@ -6,9 +6,11 @@
 //! The footprint is an upper estimate of the buffers a layer holds at once on the GPU path
 //! (bf16 storage, fused element-wise kernels, cuBLAS linears, device statistics and solver):
 //! the pack's input and residual, the widest of the attention and MLP intermediates, the
-//! layer's weights, its statistics and the solver's work buffers. CubeCL's pool keeps freed
-//! pages and rounds allocations up to them, so the plan spends only
-//! [`MemoryPlan::USABLE_FRACTION`] of the budget on tensors.
+//! layer's weights, its statistics and the solver's work buffers. The plan spends only
+//! [`MemoryPlan::USABLE_FRACTION`] of the budget on tensors: the rest is left to what the
+//! estimate does not count (cuBLAS and cuSOLVER workspaces, kernel metadata, the CUDA memory
+//! pool's fragmentation; on CUDA every buffer is allocated at its exact size, see
+//! `sala_model::configure_cuda_runtime`; other runtimes round buffers up to pool pages).
 
 use crate::plan::Recipe;
 use crate::stats::DIAGONAL_CHUNK_BYTES;
@@ -206,8 +208,8 @@ impl fmt::Display for BudgetError {
 impl std::error::Error for BudgetError {}
 
 impl MemoryPlan {
-    /// Share of the budget the plan spends on tensors; the rest is left to the pool's
-    /// rounding and its freed-but-kept pages.
+    /// Share of the budget the plan spends on tensors; the rest is left to what the estimate
+    /// does not count (library workspaces, the allocator's fragmentation and rounding).
     pub const USABLE_FRACTION: f64 = 0.8;
 
     /// Bytes the plan may spend of `budget`.
