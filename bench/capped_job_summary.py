@@ -7,12 +7,16 @@ is replaced):
         --into bench/results/real-job-h200.json
 
 Reads OUT/TAG.log (the command's log, GNU time's figures at its end), OUT/TAG-report.json (the
-report, when the run finished) and OUT/TAG-gpumem.txt (nvidia-smi's MiB in use every 2 s, the
-holder's share included).
+report, when the run finished), OUT/TAG-gpumem.txt (nvidia-smi's MiB in use every 2 s, the
+holder's share included), OUT/TAG-holder.log (what the holder took), OUT/TAG-rss.txt (the
+resident set by kind every 2 s) and OUT/TAG-sha256.txt (the checkpoint's shards).
 """
 import argparse
 import json
 import re
+
+# The per-layer stages of the report, seconds.
+STAGES = ["capture", "accumulate", "finalize", "smooth", "solve", "write", "propagate"]
 
 
 def log_figures(text):
@@ -51,8 +55,8 @@ def report_figures(path):
         return {}
     stages = {}
     for layer in report["layers"]:
-        for k, v in layer["stages"].items():
-            stages[k] = stages.get(k, 0.0) + v
+        for k in STAGES:
+            stages[k] = stages.get(k, 0.0) + layer.get(k, 0.0)
     peak = report.get("peak_device_memory") or {}
     return {
         "samples": report["samples"],
@@ -85,6 +89,32 @@ def main():
     try:
         used = [int(l.split()[1]) for l in open(f"{args.out}/{args.tag}-gpumem.txt") if len(l.split()) == 2]
         entry["peak_nvidia_smi_used_mib"] = max(used)
+    except (OSError, ValueError):
+        pass
+    try:
+        holder = open(f"{args.out}/{args.tag}-holder.log").read()
+        m = re.search(r"holding ([\d.]+) GB of ([\d.]+) GB; free before [\d.]+ GB, after ([\d.]+) GB", holder)
+        if m:
+            entry["holder_gb"] = float(m.group(1))
+            entry["free_after_holder_gb"] = float(m.group(3))
+            if "peak_nvidia_smi_used_mib" in entry:
+                ours = entry["peak_nvidia_smi_used_mib"] * 2**20 / 1e9 - float(m.group(1))
+                entry["peak_nvidia_smi_ours_gb"] = round(ours, 2)
+    except OSError:
+        pass
+    try:
+        peaks = {}
+        for line in open(f"{args.out}/{args.tag}-rss.txt"):
+            f = line.split()
+            for k, v in zip(f[1::2], f[2::2]):
+                peaks[k.rstrip(":")] = max(peaks.get(k.rstrip(":"), 0), int(v) * 1024)
+        if peaks:
+            entry["peak_rss_by_kind_bytes"] = peaks
+    except (OSError, ValueError):
+        pass
+    try:
+        entry["checkpoint_sha256"] = dict(
+            reversed(l.split()) for l in open(f"{args.out}/{args.tag}-sha256.txt") if l.strip())
     except (OSError, ValueError):
         pass
     entry["command"] = (

@@ -381,7 +381,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         options.pack_tokens = memory.pack_tokens;
         if args.device == DeviceArg::Cuda {
             options.max_device_memory = memory.hidden_allowance();
-            args.device.keep_freed_memory(memory.budget);
+            args.device.keep_freed_memory(memory.pool_keep());
         }
     }
     // Before any compute, a standard output that cannot be written is an error.

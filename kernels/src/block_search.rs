@@ -29,6 +29,7 @@ pub use self::bits::{e4m3_decode_bits, e4m3_encode_bits};
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::launch::elementwise;
+use crate::solver::Transfer;
 
 /// The E4M3FN NaN code: the scale of a block with a non-finite weight.
 const E4M3_NAN_CODE: u32 = 0x7F;
@@ -61,8 +62,19 @@ impl DeviceBlockSearch {
         &self,
         client: &ComputeClient<R>,
     ) -> Result<Nvfp4SearchResult, KernelError> {
+        self.download_with(client, &crate::solver::CubeTransfer)
+    }
+
+    /// [`DeviceBlockSearch::download`] through `transfer`'s copies (the driver's on CUDA:
+    /// CubeCL stages reads of up to 100 MB in pinned host pages of up to 2.2 GB that it keeps
+    /// for the rest of the process).
+    pub fn download_with<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        transfer: &dyn Transfer<R>,
+    ) -> Result<Nvfp4SearchResult, KernelError> {
         let blocks = self.cols / NVFP4_BLOCK;
-        let block_scales: Vec<u8> = to_bytes(self.block_scales.download(client)?);
+        let block_scales: Vec<u8> = to_bytes(transfer.download_u32(client, &self.block_scales)?);
         if let Some(b) = block_scales.iter().position(|&s| s as u32 == E4M3_NAN_CODE) {
             return Err(HessianError::NonFinite {
                 what: "weights",
@@ -72,8 +84,8 @@ impl DeviceBlockSearch {
             }
             .into());
         }
-        let block_error = self.block_error.download(client)?;
-        let codes: Vec<u8> = to_bytes(self.codes.download(client)?);
+        let block_error = transfer.download_f32(client, &self.block_error)?;
+        let codes: Vec<u8> = to_bytes(transfer.download_u32(client, &self.codes)?);
         let dequantized = codes
             .chunks_exact(NVFP4_BLOCK)
             .zip(&block_scales)

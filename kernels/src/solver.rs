@@ -67,10 +67,19 @@ pub trait Transfer<R: Runtime>: Send + Sync {
     ) -> Result<Vec<u32>, KernelError> {
         v.download(client)
     }
+
+    /// The values of `v`, once the work queued on `client` is done.
+    fn download_f32(
+        &self,
+        client: &ComputeClient<R>,
+        v: &DeviceVec<f32>,
+    ) -> Result<Vec<f32>, KernelError> {
+        v.download(client)
+    }
 }
 
 /// CubeCL's own copies.
-struct CubeTransfer;
+pub(crate) struct CubeTransfer;
 
 impl<R: Runtime> Transfer<R> for CubeTransfer {
     fn upload(
@@ -370,7 +379,7 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         let run = || -> Result<Nvfp4SearchResult, KernelError> {
             let view = self.upload(weights, rows, cols)?;
             nvfp4_block_search(&self.client, &view, diag_h, global_scale, search)?
-                .download(&self.client)
+                .download_with(&self.client, self.transfer.as_ref())
         };
         Ok(run()?)
     }

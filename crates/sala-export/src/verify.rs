@@ -601,6 +601,7 @@ impl Verifier<'_> {
         };
         let words: Vec<i32> =
             crate::tensor::decode_i32(&name, view.dtype(), view.data()).unwrap_or_default();
+        self.ck.release(&name);
         let Ok(zeros) = unpack_qzeros(&words, groups, out, bits, ZeroConvention::V1) else {
             return;
         };
@@ -839,6 +840,9 @@ impl Verifier<'_> {
             })
             .map(|(i, _)| i)
             .collect();
+        // Every code of the checkpoint passes here: their pages leave the resident set.
+        self.ck.release(&tensor_name(module, NVFP4_WEIGHT));
+        self.ck.release(&scale_name);
         if let Some(&first) = zero_scaled.first() {
             let detail = format!(
                 "{} block(s) with a zero FP8 scale but non-zero codes, first at row {} block {}",

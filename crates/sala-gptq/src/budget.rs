@@ -278,6 +278,27 @@ impl MemoryPlan {
         })
     }
 
+    /// Bytes the plan expects on the device at a layer's largest moment: the hidden states
+    /// when they live there, and the largest pack's work (or the solve).
+    pub fn expected_peak(&self) -> u64 {
+        let hidden = if self.hidden_on_device {
+            self.hidden_bytes
+        } else {
+            0
+        };
+        hidden.saturating_add(self.largest_pack_bytes)
+    }
+
+    /// Bytes of freed memory the device's allocator may keep between packs: the expected
+    /// peak and a quarter more for the allocator's fragmentation, within the budget. Keeping
+    /// more only makes the reserved figure grow towards the budget; keeping less makes the
+    /// next pack map memory again.
+    pub fn pool_keep(&self) -> u64 {
+        self.expected_peak()
+            .saturating_add(self.expected_peak() / 4)
+            .min(self.budget)
+    }
+
     /// Bytes the hidden states may take on the device ([`crate::QuantizeOptions`]'s
     /// `max_device_memory`): all of theirs when the plan keeps them there, else none.
     pub fn hidden_allowance(&self) -> Option<u64> {
@@ -291,7 +312,8 @@ impl fmt::Display for MemoryPlan {
             f,
             "device budget {:.0} MB ({:.0} MB for tensors): hidden states {:.0} MB {}; packs \
              up to {} tokens; a layer's largest moment {:.0} MB ({:.0} MB per layer + {} bytes \
-             per token; solve {:.0} MB); longest sample {} tokens",
+             per token; solve {:.0} MB); longest sample {} tokens; freed memory kept up to \
+             {:.0} MB",
             self.budget as f64 / MB,
             Self::usable(self.budget) as f64 / MB,
             self.hidden_bytes as f64 / MB,
@@ -306,6 +328,7 @@ impl fmt::Display for MemoryPlan {
             self.footprint.per_token,
             self.footprint.solve as f64 / MB,
             self.longest,
+            self.pool_keep() as f64 / MB,
         )
     }
 }
@@ -425,6 +448,10 @@ mod tests {
                 Ok(plan) => {
                     let hidden = if plan.hidden_on_device { plan.hidden_bytes } else { 0 };
                     prop_assert!(plan.largest_pack_bytes + hidden <= MemoryPlan::usable(budget));
+                    prop_assert_eq!(plan.expected_peak(), plan.largest_pack_bytes + hidden);
+                    // The allocator keeps at least the expected peak, never beyond the budget.
+                    prop_assert!(plan.pool_keep() >= plan.expected_peak());
+                    prop_assert!(plan.pool_keep() <= budget);
                     prop_assert!(plan.pack_tokens <= pack_tokens && plan.pack_tokens >= 1);
                     prop_assert!(!plan.hidden_on_device || device_hidden);
                     let more = MemoryPlan::new(&lengths, fp, 64, 2, budget * 2, pack_tokens,

@@ -114,4 +114,14 @@ impl Transfer<CudaRuntime> for DriverTransfer {
         self.download_into(client, &v.handle, &mut host)?;
         Ok(host)
     }
+
+    fn download_f32(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        v: &DeviceVec<f32>,
+    ) -> Result<Vec<f32>, KernelError> {
+        let mut host = vec![0f32; v.len];
+        self.download_into(client, &v.handle, &mut host)?;
+        Ok(host)
+    }
 }
