@@ -517,6 +517,24 @@ mod tests {
         assert_eq!(diagonal_chunk_rows(usize::MAX), 1);
     }
 
+    /// `a` and `b` are statistics of one kind with the same values (sums up to rounding).
+    fn assert_same_statistics(a: Finalized<CpuBackend>, b: Finalized<CpuBackend>) {
+        match (a, b) {
+            (a @ Finalized::Full(_), b @ Finalized::Full(_))
+            | (a @ Finalized::DeviceFull(_), b @ Finalized::DeviceFull(_)) => close(
+                &a.host_hessian("x").unwrap().unwrap().to_row_major(),
+                &b.host_hessian("x").unwrap().unwrap().to_row_major(),
+            ),
+            (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
+                close(&a.mean_square, &b.mean_square);
+                close(&a.mean_abs, &b.mean_abs);
+                assert_eq!(a.abs_max, b.abs_max);
+                assert_eq!((a.samples, a.tokens), (b.samples, b.tokens));
+            }
+            _ => panic!("same kinds expected"),
+        }
+    }
+
     /// One pack of several samples gives the statistics of adding them one by one, on the
     /// host (sample by sample) and on the device (rows scaled by √(1/T)).
     #[test]
@@ -537,23 +555,10 @@ mod tests {
                 }
                 let mut packed = InputStats::<CpuBackend>::new(kind, 3, on_device).unwrap();
                 packed.add_pack(&pack, &lengths, 0..9, None).unwrap();
-                match (
+                assert_same_statistics(
                     one_by_one.finalize("x").unwrap(),
                     packed.finalize("x").unwrap(),
-                ) {
-                    (a @ Finalized::Full(_), b @ Finalized::Full(_))
-                    | (a @ Finalized::DeviceFull(_), b @ Finalized::DeviceFull(_)) => close(
-                        &a.host_hessian("x").unwrap().unwrap().to_row_major(),
-                        &b.host_hessian("x").unwrap().unwrap().to_row_major(),
-                    ),
-                    (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
-                        close(&a.mean_square, &b.mean_square);
-                        close(&a.mean_abs, &b.mean_abs);
-                        assert_eq!(a.abs_max, b.abs_max);
-                        assert_eq!((a.samples, a.tokens), (b.samples, b.tokens));
-                    }
-                    _ => panic!("same kinds expected"),
-                }
+                );
             }
         }
     }
@@ -575,19 +580,7 @@ mod tests {
                 let part = pack.clone().slice([rows.clone(), 0..3]);
                 chunked.add_pack(&part, &lengths, rows, None).unwrap();
             }
-            match (whole.finalize("x").unwrap(), chunked.finalize("x").unwrap()) {
-                (a @ Finalized::DeviceFull(_), b @ Finalized::DeviceFull(_)) => close(
-                    &a.host_hessian("x").unwrap().unwrap().to_row_major(),
-                    &b.host_hessian("x").unwrap().unwrap().to_row_major(),
-                ),
-                (Finalized::Diagonal(a), Finalized::Diagonal(b)) => {
-                    close(&a.mean_square, &b.mean_square);
-                    close(&a.mean_abs, &b.mean_abs);
-                    assert_eq!(a.abs_max, b.abs_max);
-                    assert_eq!((a.samples, a.tokens), (b.samples, b.tokens));
-                }
-                _ => panic!("same kinds expected"),
-            }
+            assert_same_statistics(whole.finalize("x").unwrap(), chunked.finalize("x").unwrap());
             let mut host = InputStats::<CpuBackend>::new(kind, 3, None).unwrap();
             let part = pack.clone().slice([3..7, 0..3]);
             let (_, message) = host.add_pack(&part, &lengths, 3..7, None).unwrap_err();
