@@ -130,6 +130,14 @@ fn run_cuda<J: DeviceJob>(
 ) -> Result<J::Output, Box<dyn Error>> {
     use sala_gptq::{configure_cuda_runtime, cuda_memory, CudaBackend, CudaDevice};
     configure_cuda_runtime();
+    // Every buffer has its own allocation now (see `configure_cuda_runtime`): unless the job
+    // planned how much freed memory the CUDA pool keeps, it keeps up to the default budget
+    // (CUDA's default, 0, would give it all back at every synchronization).
+    if sala_kernels::cuda::pool_release_threshold(0).is_ok_and(|t| t == 0) {
+        if let Ok(Some((free, total))) = cuda_memory_info() {
+            let _ = cuda_keep_freed_memory(free.saturating_sub(total / 20));
+        }
+    }
     let (solver, resident): (Box<dyn LinearSolver>, Option<Arc<dyn ResidentSolver<_>>>) =
         if host_solver {
             (Box::new(CpuSolver), None)

@@ -144,23 +144,37 @@ pub fn set_pool_release_threshold(ordinal: usize, bytes: u64) -> Result<(), Kern
     .map_err(|e| driver_error("cuMemPoolSetAttribute", e))
 }
 
-/// Bytes the default memory pool of device `ordinal` holds from the driver now (its live
-/// allocations and the freed memory it keeps): the stream-ordered allocator's footprint.
-pub fn pool_reserved_bytes(ordinal: usize) -> Result<u64, KernelError> {
+/// The release threshold of the default memory pool of device `ordinal`, bytes (0, CUDA's
+/// default, unless someone set it: [`set_pool_release_threshold`]).
+pub fn pool_release_threshold(ordinal: usize) -> Result<u64, KernelError> {
+    pool_attribute(
+        ordinal,
+        cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+    )
+}
+
+/// A `cuuint64_t` attribute of the default memory pool of device `ordinal`.
+fn pool_attribute(
+    ordinal: usize,
+    attribute: cudarc::driver::sys::CUmemPool_attribute,
+) -> Result<u64, KernelError> {
     use cudarc::driver::sys;
     let (_ctx, pool) = default_memory_pool(ordinal)?;
     let mut value = 0u64;
-    // SAFETY: the reserved size is a `cuuint64_t` attribute; `value` outlives the call.
-    unsafe {
-        sys::cuMemPoolGetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-            (&mut value as *mut u64).cast(),
-        )
-    }
-    .result()
-    .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
+    // SAFETY: `attribute` is a `cuuint64_t` attribute; `value` outlives the call.
+    unsafe { sys::cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast()) }
+        .result()
+        .map_err(|e| driver_error("cuMemPoolGetAttribute", e))?;
     Ok(value)
+}
+
+/// Bytes the default memory pool of device `ordinal` holds from the driver now (its live
+/// allocations and the freed memory it keeps): the stream-ordered allocator's footprint.
+pub fn pool_reserved_bytes(ordinal: usize) -> Result<u64, KernelError> {
+    pool_attribute(
+        ordinal,
+        cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    )
 }
 
 /// A context handle on the device's primary context and one non-blocking stream, shared by
