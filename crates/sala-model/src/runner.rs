@@ -77,7 +77,9 @@ pub struct LayerRunner<B: Backend> {
     rope: Arc<Mutex<Option<RopeTables<B>>>>,
 }
 
-/// What a tap sees: the module name, the linear's input, and the rows of the pack it holds.
+/// The rows of a pack (`start..end`) that a tapped tensor holds: a tap gets the module name,
+/// the linear's input, and these rows (all of the pack's but for `down_proj` under
+/// [`RunOptions::mlp_rows`]).
 pub type TapRows = std::ops::Range<usize>;
 
 /// Mixer steps: the normed layer input and the linears' tap, shared by the layer kinds.
