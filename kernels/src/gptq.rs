@@ -15,6 +15,11 @@
 //!    same barrier). The kernel writes the codes, the group parameters and `E [out, c1−c0]`;
 //! 2. `W[:, c1:] −= E · U[c0:c1, c1:]` through the caller's [`Gemm`], on windows.
 //!
+//! With a clipping search (`DeviceGptqConfig::clip`) blocks are at most one group long and a
+//! search kernel writes each group's parameters before the block that starts it (a team per
+//! row, one unit per candidate range, on the row's current values), which the block kernel
+//! then reads instead of computing them.
+//!
 //! Blocks are shortened like the CPU solver's (a group never starts inside a block and ends
 //! beyond it), so the parameters see the same updated weights as the textbook loop; the only
 //! differences are f32 rounding orders (the GEMM sums a block's updates before subtracting),
@@ -22,7 +27,7 @@
 
 use cubecl::prelude::*;
 use sala_formats::int::MIN_SCALE;
-use sala_formats::{IntQuantizer, IntScheme, QuantParams};
+use sala_formats::{ClipSearch, IntQuantizer, IntScheme, QuantParams};
 use sala_hessian::GptqConfig;
 
 use crate::device::{array_arg, DeviceVec, MatrixView};
@@ -51,8 +56,12 @@ pub struct DeviceGptqConfig {
     /// How a group's scale and zero point are derived.
     pub scheme: IntScheme,
     /// Columns per lazy block (default 128), shortened like the CPU solver's so that groups
-    /// start at block starts or lie inside one block.
+    /// start at block starts or lie inside one block (at most one group with a clipping
+    /// search, so that every group starts at a block start).
     pub block: usize,
+    /// A clipping search for each group's range (GPTQModel's `mse`), run by its own kernel at
+    /// each group start on the row's current values; `None`: the plain min/max range.
+    pub clip: Option<ClipSearch>,
 }
 
 impl Default for DeviceGptqConfig {
@@ -70,6 +79,7 @@ impl From<&GptqConfig> for DeviceGptqConfig {
             group_size: config.grid.group_size,
             scheme: config.grid.scheme,
             block: config.block_size,
+            clip: config.grid.clip,
         }
     }
 }
@@ -163,14 +173,23 @@ impl DeviceGptqResult {
 /// in loop order; un-permuting (act-order) is the caller's. Inputs must be finite (the CPU
 /// solver's checks run before its preparation); shapes, bit widths, group and block sizes are
 /// checked here.
+///
+/// `column_weights` `[inp]` (loop order; GPTQ passes `diag(H)`) weigh each column's error in
+/// the clipping search of `config.clip`; without them every column weighs 1. They are not
+/// read without a search.
 pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
     client: &ComputeClient<R>,
     gemm: &G,
     w: &MatrixView,
     u: &MatrixView,
     config: &DeviceGptqConfig,
+    column_weights: Option<&DeviceVec<f32>>,
 ) -> Result<DeviceGptqResult, KernelError> {
     let plan = Plan::new(client, w, u, config)?;
+    let clip = match config.clip {
+        Some(search) => Some(ClipLaunch::new(client, search, column_weights, plan.inp)?),
+        None => None,
+    };
     let (out, inp, gs) = (plan.out, plan.inp, plan.group_size);
     let groups = inp.div_ceil(gs);
     let result = DeviceGptqResult {
@@ -191,6 +210,13 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
     while c0 < inp {
         let c1 = (c0 + plan.choice.block).min(inp);
         let e = errors.window(0, c0, out, c1 - c0)?;
+        if let Some(clip) = &clip {
+            // Every group starts at a block start (the plan's block): its parameters come
+            // from the search, on the row's current values.
+            if c0 % gs == 0 {
+                plan.launch_clip_search(client, w, clip, &result, c0)?;
+            }
+        }
         plan.launch_block(client, w, u, &e, &result, c0, c1)?;
         if c1 < inp {
             let u_rest = u.window(c0, c1, c1 - c0, inp - c1)?;
@@ -284,6 +310,8 @@ struct Plan {
     quantizer: IntQuantizer,
     /// The launch layout.
     choice: GptqLaunchChoice,
+    /// Whether a clipping search writes the group parameters.
+    clip: bool,
 }
 
 /// The block kernel's layout on a device for a block size.
@@ -310,7 +338,12 @@ pub fn gptq_launch_choice<R: Runtime>(
             format!("{} columns (must be in 1..={MAX_BLOCK})", config.block),
         ));
     }
-    layout(client, effective_block(config.block, gs, inp))
+    let mut block = effective_block(config.block, gs, inp);
+    if config.clip.is_some() {
+        // The search runs between blocks: a group may not start inside one.
+        block = block.min(gs);
+    }
+    layout(client, block)
 }
 
 fn group_size(config: &DeviceGptqConfig, inp: usize) -> Result<usize, KernelError> {
@@ -371,6 +404,7 @@ impl Plan {
             group_size: group_size(config, inp)?,
             quantizer,
             choice,
+            clip: config.clip.is_some(),
         })
     }
 
@@ -388,11 +422,7 @@ impl Plan {
     ) -> Result<(), KernelError> {
         let rows = self.choice.rows_per_cube;
         let count = cube_count(client, self.out.div_ceil(rows))?;
-        let scheme = match self.quantizer.scheme() {
-            IntScheme::SymmetricIst => SCHEME_IST,
-            IntScheme::SymmetricAbsMax => SCHEME_ABSMAX,
-            IntScheme::Asymmetric => SCHEME_ASYM,
-        };
+        let scheme = scheme_code(self.quantizer.scheme());
         gptq_block_kernel::launch::<R>(
             client,
             count,
@@ -422,11 +452,102 @@ impl Plan {
                 self.quantizer.symmetric_zero() as f32,
                 1.0,
                 f32::INFINITY,
+                u32::from(self.clip),
             ),
             rows,
             self.choice.columns_per_unit,
         );
         Ok(())
+    }
+
+    /// Launches the clipping search of the group starting at column `c0`: writes its
+    /// parameters for every row.
+    fn launch_clip_search<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        w: &MatrixView,
+        clip: &ClipLaunch,
+        result: &DeviceGptqResult,
+        c0: usize,
+    ) -> Result<(), KernelError> {
+        let rows = self.choice.rows_per_cube;
+        let count = cube_count(client, self.out.div_ceil(rows))?;
+        clip_search_kernel::launch::<R>(
+            client,
+            count,
+            CubeDim::new_2d(TEAM as u32, rows as u32),
+            array_arg(&w.handle),
+            array_arg(&clip.weights.handle),
+            array_arg(&clip.shrinks.handle),
+            array_arg(&result.scales.handle),
+            array_arg(&result.zeros.handle),
+            ClipArgsLaunch::new(
+                w.offset,
+                w.row_stride,
+                self.out,
+                c0,
+                self.group_size.min(self.inp - c0),
+                c0 / self.group_size,
+                self.inp.div_ceil(self.group_size),
+                scheme_code(self.quantizer.scheme()),
+                self.quantizer.maxq() as f32,
+                self.quantizer.symmetric_zero() as f32,
+                clip.shrinks.len as u32,
+                clip.norm,
+                u32::from(clip.weighted),
+                1.0,
+                f32::INFINITY,
+            ),
+            rows,
+        );
+        Ok(())
+    }
+}
+
+/// A clipping search's device inputs.
+struct ClipLaunch {
+    /// Each candidate's range factor, `[candidates]` (the host's f32 values: the kernel
+    /// shrinks ranges exactly as `ClipSearch::params` does).
+    shrinks: DeviceVec<f32>,
+    /// The column weights, or one unread value.
+    weights: DeviceVec<f32>,
+    weighted: bool,
+    norm: f32,
+}
+
+impl ClipLaunch {
+    fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        search: ClipSearch,
+        column_weights: Option<&DeviceVec<f32>>,
+        inp: usize,
+    ) -> Result<Self, KernelError> {
+        let shrinks: Vec<f32> = (0..search.candidates()).map(|i| search.shrink(i)).collect();
+        let weights = match column_weights {
+            Some(c) if c.len != inp => {
+                return Err(KernelError::shape(
+                    "gptq clipping search weights",
+                    format!("{} column weights for {inp} columns", c.len),
+                ))
+            }
+            Some(c) => c.clone(),
+            None => DeviceVec::upload(client, &[1.0f32]),
+        };
+        Ok(Self {
+            shrinks: DeviceVec::upload(client, &shrinks),
+            weights,
+            weighted: column_weights.is_some(),
+            norm: search.norm(),
+        })
+    }
+}
+
+/// `IntScheme` as the kernels' runtime code.
+fn scheme_code(scheme: IntScheme) -> u32 {
+    match scheme {
+        IntScheme::SymmetricIst => SCHEME_IST,
+        IntScheme::SymmetricAbsMax => SCHEME_ABSMAX,
+        IntScheme::Asymmetric => SCHEME_ASYM,
     }
 }
 
@@ -483,6 +604,9 @@ struct GptqBlockArgs {
     one: f32,
     /// `f32::INFINITY`, the empty range's bound (WGSL has no infinity literal).
     infinity: f32,
+    /// 1 when the group parameters were written before the launch (the clipping search):
+    /// they are read at the block start instead of computed at group starts.
+    params_given: u32,
 }
 
 /// A team of [`TEAM`] units per output row (`UNIT_POS_X` the unit, `UNIT_POS_Y` the row in
@@ -550,7 +674,7 @@ fn gptq_block_kernel(
             let i = s * TEAM + l;
             let parity = i % 2;
             let c = args.c0 + i;
-            let starts_group = i < width && c % gs == 0;
+            let starts_group = i < width && c % gs == 0 && args.params_given == 0;
             if starts_group {
                 let range = team_partial_range(w, &values, args, r, valid, lane, i, slots);
                 let at = (parity * rows + local) * TEAM + lane;
@@ -572,7 +696,7 @@ fn gptq_block_kernel(
                         let range = widen(lo, hi, shared_hi[first + k]);
                         hi = range.1;
                     }
-                    let params = group_params(lo, hi, args);
+                    let params = group_params(lo, hi, args.scheme, args.maxq, args.sym_zero);
                     scale = params.0;
                     zero = params.1;
                     if valid && lane == 0 {
@@ -677,9 +801,136 @@ fn widen(lo: f32, hi: f32, v: f32) -> (f32, f32) {
     (out_lo, out_hi)
 }
 
-/// `IntQuantizer::params_from_range`: `(scale, zero)` of a group of range `[lo, hi]`.
+/// The scalars of the clipping-search kernel.
+#[derive(CubeLaunch, CubeType)]
+struct ClipArgs {
+    /// `W`'s window in its buffer.
+    w_offset: usize,
+    w_stride: usize,
+    out: usize,
+    /// The group: its first column, its columns and its index.
+    c0: usize,
+    width: usize,
+    group: usize,
+    /// Groups per row (the parameters' row stride).
+    groups: usize,
+    /// The grid (`SCHEME_*`, `2^bits − 1`, `2^(bits−1)`).
+    scheme: u32,
+    maxq: f32,
+    sym_zero: f32,
+    candidates: u32,
+    /// The error exponent.
+    norm: f32,
+    /// 1 when `weights` holds column weights.
+    weighted: u32,
+    /// A runtime 1.0 (see [`GptqBlockArgs`]).
+    one: f32,
+    infinity: f32,
+}
+
+/// `ClipSearch::params` of one group for every row: a team of [`TEAM`] units per row, unit
+/// `l` trying the candidates `l, l + TEAM, …` (each a pass over the group's columns, summed
+/// in column order), then the team's best: the least error, the first candidate among equal
+/// ones (the host keeps the earliest, widest range on ties).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn clip_search_kernel(
+    w: &Array<f32>,
+    weights: &Array<f32>,
+    shrinks: &Array<f32>,
+    scales: &mut Array<f32>,
+    zeros: &mut Array<u32>,
+    args: &ClipArgs,
+    #[comptime] rows: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let local = UNIT_POS_Y as usize;
+    let r = CUBE_POS * rows + local;
+    let valid = r < args.out;
+    let mut shared_error = SharedMemory::<f32>::new(rows * TEAM);
+    let mut shared_index = SharedMemory::<u32>::new(rows * TEAM);
+    let row = args.w_offset + r * args.w_stride + args.c0;
+    let mut lo = args.infinity;
+    let mut hi = -args.infinity;
+    if valid {
+        for k in 0..args.width {
+            let range = widen(lo, hi, w[row + k]);
+            lo = range.0;
+            hi = range.1;
+        }
+    }
+    let mut best_error = args.infinity;
+    let mut best = args.candidates;
+    let mut candidate = lane as u32;
+    while valid && candidate < args.candidates {
+        let shrink = shrinks[candidate as usize];
+        let (scale, zero) = group_params(
+            lo * shrink,
+            hi * shrink,
+            args.scheme,
+            args.maxq,
+            args.sym_zero,
+        );
+        let mut error = 0.0f32;
+        for k in 0..args.width {
+            let x = w[row + k];
+            let code = quantize(x, scale, zero, args.maxq);
+            let diff = (x - (scale * (code - zero)) * args.one).abs();
+            let mut term = diff * diff;
+            if args.norm != 2.0 {
+                term = 0.0;
+                if diff > 0.0 {
+                    term = diff.powf(args.norm);
+                }
+            }
+            if args.weighted == 1 {
+                term = (weights[args.c0 + k] * term) * args.one;
+            }
+            error += term;
+        }
+        if error < best_error {
+            best_error = error;
+            best = candidate;
+        }
+        candidate += TEAM as u32;
+    }
+    shared_error[local * TEAM + lane] = best_error;
+    shared_index[local * TEAM + lane] = best;
+    sync_cube();
+    if valid && lane == 0 {
+        let first = local * TEAM;
+        let mut error = shared_error[first];
+        let mut index = shared_index[first];
+        for k in 1..TEAM {
+            let e = shared_error[first + k];
+            let i = shared_index[first + k];
+            if e < error || (e == error && i < index) {
+                error = e;
+                index = i;
+            }
+        }
+        if index >= args.candidates {
+            // Every error NaN (the inputs are checked finite before a solve): the plain range.
+            index = 0;
+        }
+        let shrink = shrinks[index as usize];
+        let (scale, zero) = group_params(
+            lo * shrink,
+            hi * shrink,
+            args.scheme,
+            args.maxq,
+            args.sym_zero,
+        );
+        let at = r * args.groups + args.group;
+        scales[at] = scale;
+        zeros[at] = u32::cast_from(zero);
+    }
+}
+
+/// `IntQuantizer::params_from_range`: `(scale, zero)` of a group of range `[lo, hi]` on the
+/// grid `scheme` (`SCHEME_*`) with largest code `maxq` and symmetric zero `sym_zero`.
 #[cube]
-fn group_params(lo_in: f32, hi_in: f32, args: &GptqBlockArgs) -> (f32, f32) {
+fn group_params(lo_in: f32, hi_in: f32, scheme: u32, maxq: f32, sym_zero: f32) -> (f32, f32) {
     let mut lo = lo_in;
     let mut hi = hi_in;
     if lo > 0.0 {
@@ -688,13 +939,13 @@ fn group_params(lo_in: f32, hi_in: f32, args: &GptqBlockArgs) -> (f32, f32) {
     if hi < 0.0 {
         hi = 0.0;
     }
-    if args.scheme == SCHEME_ASYM {
+    if scheme == SCHEME_ASYM {
         if lo == 0.0 && hi == 0.0 {
             lo = -1.0;
             hi = 1.0;
         }
-        let scale = at_least_min_scale((hi - lo) / args.maxq);
-        (scale, clamp_f32((-lo / scale).round(), 0.0, args.maxq))
+        let scale = at_least_min_scale((hi - lo) / maxq);
+        (scale, clamp_f32((-lo / scale).round(), 0.0, maxq))
     } else {
         if -lo > hi {
             hi = -lo;
@@ -702,12 +953,12 @@ fn group_params(lo_in: f32, hi_in: f32, args: &GptqBlockArgs) -> (f32, f32) {
         if hi == 0.0 {
             hi = 1.0;
         }
-        let scale = if args.scheme == SCHEME_IST {
-            2.0 * hi / args.maxq
+        let scale = if scheme == SCHEME_IST {
+            2.0 * hi / maxq
         } else {
-            hi / (args.sym_zero - 1.0)
+            hi / (sym_zero - 1.0)
         };
-        (at_least_min_scale(scale), args.sym_zero)
+        (at_least_min_scale(scale), sym_zero)
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cubecl::prelude::*;
 use rayon::prelude::*;
-use sala_formats::IntQuantizer;
+use sala_formats::{ClipSearch, IntQuantizer};
 use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
 use sala_hessian::IntGrid;
@@ -205,10 +205,8 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 value: value as f64,
             });
         }
-        if (config.static_groups && config.grid.group_size.is_some()) || config.grid.clip.is_some()
-        {
-            // Static groups and the clipping search keep the host loop: the Hessian comes to
-            // the host.
+        if config.static_groups && config.grid.group_size.is_some() {
+            // Static groups keep the host loop: the Hessian comes to the host.
             let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
             return gptq.solve_with_loop(weights, out, inp, &host, self);
         }
@@ -228,8 +226,14 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         };
         let w_loop = prepared.loop_weights(weights, inp);
         let w_view = self.upload(&w_loop, out, inp)?;
-        let loop_config = loop_config(gptq.quantizer(), prepared.group_size, config.block_size);
-        let sol = self.solve_columns(&w_view, &upper, &loop_config)?;
+        let loop_config = loop_config(
+            gptq.quantizer(),
+            prepared.group_size,
+            config.block_size,
+            config.grid.clip,
+        );
+        let clip_weights = prepared.clip_weights_in_loop_order();
+        let sol = self.solve_columns(&w_view, &upper, &loop_config, clip_weights.as_deref())?;
         drop(upper);
         gptq.finish(weights, &prepared, sol, None, attempt, proxy)
     }
@@ -322,14 +326,24 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         Ok(dots.iter().map(|&v| v as f64).sum())
     }
 
-    /// GPTQ's column loop on the device: `w` (loop order, overwritten) against the factor `u`.
+    /// GPTQ's column loop on the device: `w` (loop order, overwritten) against the factor `u`,
+    /// with the clipping search's column weights `[inp]` (loop order) when it has one.
     fn solve_columns(
         &self,
         w: &MatrixView,
         u: &MatrixView,
         config: &DeviceGptqConfig,
+        clip_weights: Option<&[f32]>,
     ) -> Result<ColumnSolution, KernelError> {
-        let r = gptq_solve(&self.client, &self.gemm, w, u, config)?;
+        let clip_weights = clip_weights.map(|c| DeviceVec::upload(&self.client, c));
+        let r = gptq_solve(
+            &self.client,
+            &self.gemm,
+            w,
+            u,
+            config,
+            clip_weights.as_ref(),
+        )?;
         let codes = self.transfer.download_u32(&self.client, &r.codes)?;
         let host = r.download_with_codes(&self.client, codes)?;
         Ok(ColumnSolution {
@@ -340,14 +354,21 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
     }
 }
 
-/// The kernel's options for `quantizer`'s grid with groups of `group_size` and the configured
-/// lazy block (clamped to the kernel's: the block only changes f32 summation orders).
-fn loop_config(quantizer: IntQuantizer, group_size: usize, block_size: usize) -> DeviceGptqConfig {
+/// The kernel's options for `quantizer`'s grid with groups of `group_size`, the configured
+/// lazy block (clamped to the kernel's: the block only changes f32 summation orders) and the
+/// clipping search.
+fn loop_config(
+    quantizer: IntQuantizer,
+    group_size: usize,
+    block_size: usize,
+    clip: Option<ClipSearch>,
+) -> DeviceGptqConfig {
     DeviceGptqConfig {
         bits: quantizer.bits(),
         group_size: Some(group_size),
         scheme: quantizer.scheme(),
         block: block_size.min(MAX_BLOCK),
+        clip,
     }
 }
 
@@ -391,17 +412,23 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
         problem: &ColumnProblem<'_>,
         w: &mut [f32],
     ) -> Result<ColumnSolution, HessianError> {
-        // The kernel computes min/max group parameters itself: static groups and the clipping
-        // search run the host loop.
-        if problem.static_groups.is_some() || problem.clip.is_some() {
+        // The kernels compute the group parameters from the current weights: static groups
+        // (from the original ones) run the host loop.
+        if problem.static_groups.is_some() {
             return BlockedLoop.run(problem, w);
         }
         let (out, inp) = (problem.out, problem.inp);
         let run = || -> Result<ColumnSolution, KernelError> {
             let w_view = self.upload(w, out, inp)?;
             let u_view = self.upload(&square_to_row_major(problem.upper), inp, inp)?;
-            let config = loop_config(problem.quantizer, problem.group_size, problem.block_size);
-            self.solve_columns(&w_view, &u_view, &config)
+            let (clip, clip_weights) = problem.clip.unzip();
+            let config = loop_config(
+                problem.quantizer,
+                problem.group_size,
+                problem.block_size,
+                clip,
+            );
+            self.solve_columns(&w_view, &u_view, &config, clip_weights)
         };
         Ok(run()?)
     }

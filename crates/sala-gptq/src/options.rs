@@ -31,7 +31,7 @@ pub struct GptqOptions {
     /// Skip the solver: plain round-to-nearest on the same grid (the baseline); default off.
     pub rtn: bool,
     /// A clipping search for each group's range, errors weighted by `diag(H)` (GPTQModel's
-    /// `mse`); default off. Runs the host column loop.
+    /// `mse`); default off. A device solver runs it on the device.
     pub clip: Option<ClipSearch>,
 }
 

@@ -672,8 +672,8 @@ impl GpuGemm {
     fn solve(&self, gpu: &Gpu, w: &MatrixView, u: &MatrixView) -> Stage<DeviceGptqResult> {
         let config = DeviceGptqConfig::from(&gptq_config());
         let result = match self {
-            GpuGemm::Cublas(gemm) => gptq_solve(&gpu.client, gemm, w, u, &config),
-            GpuGemm::Cube => gptq_solve(&gpu.client, &CubeGemm, w, u, &config),
+            GpuGemm::Cublas(gemm) => gptq_solve(&gpu.client, gemm, w, u, &config, None),
+            GpuGemm::Cube => gptq_solve(&gpu.client, &CubeGemm, w, u, &config, None),
         }
         .map_err(msg)?;
         gpu.sync()?;

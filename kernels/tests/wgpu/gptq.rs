@@ -1,11 +1,11 @@
 //! `gptq_solve` against `reference::gptq_column_loop` on the same prepared `(W, U)`.
 
-use sala_formats::{IntQuantizer, IntScheme};
+use sala_formats::{ClipSearch, IntQuantizer, IntScheme};
 use sala_hessian::faer::MatRef;
 use sala_hessian::reference::{gptq_column_loop, inverse_upper_textbook};
-use sala_hessian::Hessian;
+use sala_hessian::{BlockedLoop, ColumnProblem, GptqColumnLoop, Hessian};
 use sala_kernels::gptq::{effective_block, gptq_launch_choice, MAX_BLOCK, TEAM};
-use sala_kernels::{gptq_solve, CubeGemm, DeviceGptqConfig, KernelError, MatrixView};
+use sala_kernels::{gptq_solve, CubeGemm, DeviceGptqConfig, DeviceVec, KernelError, MatrixView};
 
 use crate::common::{client, Rng};
 
@@ -68,7 +68,7 @@ fn compare(out: usize, inp: usize, config: DeviceGptqConfig, seed: u64) {
         .window(2, 3, out, inp)
         .unwrap();
     let u_view = MatrixView::upload(&client, &u, inp, inp).unwrap();
-    let gpu = gptq_solve(&client, &CubeGemm, &w_view, &u_view, &config).unwrap();
+    let gpu = gptq_solve(&client, &CubeGemm, &w_view, &u_view, &config, None).unwrap();
     let host = gpu.download(&client).unwrap();
 
     let label = format!("{config:?} {out}×{inp}");
@@ -139,6 +139,7 @@ fn symmetric_groups_inside_blocks() {
         group_size: Some(32),
         scheme: IntScheme::SymmetricIst,
         block: 64,
+        clip: None,
     };
     compare(64, 256, config, 1);
 }
@@ -150,6 +151,7 @@ fn asymmetric_production_shape_128_128() {
         group_size: Some(128),
         scheme: IntScheme::Asymmetric,
         block: 128,
+        clip: None,
     };
     compare(96, 384, config, 2);
 }
@@ -162,6 +164,7 @@ fn wide_blocks_and_a_narrow_last_block() {
         group_size: Some(128),
         scheme: IntScheme::SymmetricIst,
         block: 256,
+        clip: None,
     };
     compare(37, 576, config, 5);
 }
@@ -173,6 +176,7 @@ fn groups_longer_than_blocks_and_per_channel() {
         group_size: Some(96),
         scheme: IntScheme::SymmetricIst,
         block: 64,
+        clip: None,
     };
     assert_eq!(effective_block(64, 96, 200), 32);
     compare(40, 200, long_groups, 3);
@@ -181,6 +185,7 @@ fn groups_longer_than_blocks_and_per_channel() {
         group_size: None,
         scheme: IntScheme::SymmetricAbsMax,
         block: 48,
+        clip: None,
     };
     compare(33, 160, per_channel, 4);
 }
@@ -195,7 +200,7 @@ fn bad_configs_and_shapes_are_errors() {
     let ok = DeviceGptqConfig::default();
     let bad_u = MatrixView::zeros(&client, 15, 16).unwrap();
     assert!(matches!(
-        gptq_solve(&client, &CubeGemm, &w, &bad_u, &ok),
+        gptq_solve(&client, &CubeGemm, &w, &bad_u, &ok, None),
         Err(KernelError::Shape { .. })
     ));
     for config in [
@@ -207,7 +212,7 @@ fn bad_configs_and_shapes_are_errors() {
         DeviceGptqConfig { block: 0, ..ok },
     ] {
         assert!(
-            gptq_solve(&client, &CubeGemm, &w, &u, &config).is_err(),
+            gptq_solve(&client, &CubeGemm, &w, &u, &config, None).is_err(),
             "{config:?}"
         );
     }
@@ -232,4 +237,140 @@ fn bad_configs_and_shapes_are_errors() {
         ..ok
     };
     assert!(gptq_launch_choice(&client, 4096, &too_long).is_err());
+}
+
+/// The clipping search on the device against the host's column loop with the same search
+/// (`BlockedLoop`, which calls `ClipSearch::params` at every group start), on the same
+/// prepared `(W, U)` and column weights: rows without a flipped code have the same group
+/// parameters and a loss within 1e-4; a flip (a code at a rounding tie, or two candidates
+/// whose errors tie to f32 rounding) must be rare. Norms 2 (products) and 2.4 (`powf`),
+/// weighted and not, groups shorter and longer than the configured block.
+#[test]
+fn device_clip_search_matches_the_host_loop() {
+    let Some(client) = client() else {
+        return;
+    };
+    for (seed, inp, group, block, norm, weighted) in [
+        (11u64, 256usize, 64usize, 128usize, 2.0f32, true),
+        (12, 256, 128, 64, 2.4, true),
+        (13, 192, 64, 64, 2.0, false),
+        (14, 160, 32, 128, 2.4, false),
+    ] {
+        let out = 40;
+        let mut rng = Rng::new(seed);
+        let u = upper_factor(&mut rng, inp);
+        // Heavy tails: a few large weights per row give the search ranges worth clipping.
+        let w: Vec<f32> = (0..out * inp)
+            .map(|_| {
+                let v = 0.1 * rng.normal();
+                if rng.uniform() < 0.02 {
+                    8.0 * v
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let column_weights: Vec<f32> = (0..inp).map(|_| 0.1 + 2.0 * rng.uniform()).collect();
+        let search = ClipSearch::new(100, 0.8, norm).unwrap();
+        let quantizer = IntQuantizer::new(4, IntScheme::SymmetricIst).unwrap();
+        let upper = MatRef::from_row_major_slice(&u, inp, inp);
+        let problem = ColumnProblem {
+            quantizer,
+            out,
+            inp,
+            group_size: group,
+            block_size: block,
+            upper,
+            static_groups: None,
+            clip: Some((search, &column_weights)),
+        };
+        let mut host_w = w.clone();
+        let host = if weighted {
+            BlockedLoop.run(&problem, &mut host_w).unwrap()
+        } else {
+            let ones = vec![1.0f32; inp];
+            let problem = ColumnProblem {
+                clip: Some((search, &ones)),
+                ..problem
+            };
+            BlockedLoop.run(&problem, &mut host_w).unwrap()
+        };
+
+        let config = DeviceGptqConfig {
+            bits: 4,
+            group_size: Some(group),
+            scheme: IntScheme::SymmetricIst,
+            block,
+            clip: Some(search),
+        };
+        let choice = gptq_launch_choice(&client, inp, &config).unwrap();
+        assert!(
+            choice.block <= group,
+            "a group starts inside a block: {choice:?}"
+        );
+        let w_view = MatrixView::upload(&client, &w, out, inp).unwrap();
+        let u_view = MatrixView::upload(&client, &u, inp, inp).unwrap();
+        let weights = DeviceVec::upload(&client, &column_weights);
+        let gpu = gptq_solve(
+            &client,
+            &CubeGemm,
+            &w_view,
+            &u_view,
+            &config,
+            weighted.then_some(&weights),
+        )
+        .unwrap();
+        let device = gpu.download(&client).unwrap();
+        let row_loss = gpu.row_loss.download(&client).unwrap();
+
+        let label = format!("group {group} block {block} norm {norm} weighted {weighted}");
+        let groups = inp.div_ceil(group);
+        let mut flipped_rows = 0;
+        let mut clipped_groups = 0;
+        for r in 0..out {
+            let row = r * inp..(r + 1) * inp;
+            if device.codes[row.clone()] != host.codes[row] {
+                flipped_rows += 1;
+                continue;
+            }
+            for g in 0..groups {
+                let (a, b) = (
+                    device.params[r * groups + g],
+                    host.params_rows[r * groups + g],
+                );
+                assert!(
+                    a.zero == b.zero && (a.scale - b.scale).abs() <= 1e-5 * b.scale,
+                    "{label}: row {r} group {g}: {a:?} vs {b:?}"
+                );
+                let cols = g * group..((g + 1) * group).min(inp);
+                let absmax = w[r * inp..][cols].iter().fold(0f32, |m, v| m.max(v.abs()));
+                clipped_groups += usize::from(b.scale < 0.99 * 2.0 * absmax / 15.0);
+            }
+            // `host_w` holds the error-updated weight each column was quantized from.
+            let want: f64 = (0..inp)
+                .map(|c| {
+                    let p = host.params_rows[r * groups + c / group];
+                    let q = IntQuantizer::dequantize(host.codes[r * inp + c], p);
+                    let diff = (host_w[r * inp + c] - q) as f64;
+                    let d = u[c * inp + c] as f64;
+                    diff * diff / (2.0 * d * d)
+                })
+                .sum();
+            let rel = (row_loss[r] as f64 - want).abs() / want;
+            assert!(
+                rel < 1e-4,
+                "{label}: row {r} loss {} vs {want}",
+                row_loss[r]
+            );
+        }
+        eprintln!("{label}: {flipped_rows} of {out} rows flipped, {clipped_groups} groups clipped");
+        assert!(
+            flipped_rows * 10 <= out,
+            "{label}: {flipped_rows} of {out} rows flipped"
+        );
+        assert!(clipped_groups > 0, "{label}: the search never clipped");
+        let host_loss: f64 = host.column_loss.iter().sum();
+        let rel = (gpu.loss - host_loss).abs() / host_loss;
+        assert!(rel < 1e-3, "{label}: loss {} vs {host_loss}", gpu.loss);
+    }
 }

@@ -3,7 +3,7 @@
 //! searches.
 
 use sala_formats::nvfp4::global_scale_from_amax;
-use sala_formats::IntScheme;
+use sala_formats::{ClipSearch, IntScheme};
 use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
 use sala_hessian::reference::inverse_upper_textbook;
@@ -63,20 +63,22 @@ fn device_gptq_matches_the_host_solver() {
     let mut rng = Rng::new(21);
     let h = hessian(&mut rng, inp);
     let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
-    for (act_order, static_groups, group_size, block_size, group_aware_order) in [
-        (false, false, Some(32), 64, false),
-        (true, false, Some(64), 128, false),
-        (true, true, Some(32), 64, false),
-        (false, false, None, 48, false),
-        (false, false, Some(32), 64, true),
-        (false, true, Some(64), 128, true),
+    for (act_order, static_groups, group_size, block_size, group_aware_order, clip) in [
+        (false, false, Some(32), 64, false, false),
+        (true, false, Some(64), 128, false, false),
+        (true, true, Some(32), 64, false, false),
+        (false, false, None, 48, false, false),
+        (false, false, Some(32), 64, true, false),
+        (false, true, Some(64), 128, true, false),
+        (false, false, Some(32), 64, true, true),
+        (false, false, None, 48, false, true),
     ] {
         let config = GptqConfig {
             grid: IntGrid {
                 bits: 4,
                 scheme: IntScheme::SymmetricIst,
                 group_size,
-                clip: None,
+                clip: clip.then_some(ClipSearch::GPTQMODEL),
             },
             block_size,
             act_order,
@@ -85,7 +87,7 @@ fn device_gptq_matches_the_host_solver() {
             ..GptqConfig::default()
         };
         let label = format!(
-            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order}"
+            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order} clip {clip}"
         );
         let cpu = CpuSolver
             .solve_gptq(&config, &weights, out, inp, &h)
@@ -226,19 +228,21 @@ fn resident_gptq_matches_the_host_solver() {
     let h = hessian(&mut rng, inp);
     let h_device = on_device(&h);
     let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
-    for (act_order, static_groups, group_size, group_aware_order) in [
-        (false, false, Some(32), false),
-        (true, false, Some(32), false),
-        (true, true, Some(32), false),
-        (false, false, None, false),
-        (false, false, Some(32), true),
+    for (act_order, static_groups, group_size, group_aware_order, clip) in [
+        (false, false, Some(32), false, false),
+        (true, false, Some(32), false, false),
+        (true, true, Some(32), false, false),
+        (false, false, None, false, false),
+        (false, false, Some(32), true, false),
+        (false, false, Some(32), true, true),
+        (true, false, Some(64), false, true),
     ] {
         let config = GptqConfig {
             grid: IntGrid {
                 bits: 4,
                 scheme: IntScheme::SymmetricIst,
                 group_size,
-                clip: None,
+                clip: clip.then_some(ClipSearch::GPTQMODEL),
             },
             block_size: 64,
             act_order,
@@ -247,7 +251,7 @@ fn resident_gptq_matches_the_host_solver() {
             ..GptqConfig::default()
         };
         let label = format!(
-            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order}"
+            "act_order {act_order} static {static_groups} group {group_size:?} gar {group_aware_order} clip {clip}"
         );
         let cpu = CpuSolver
             .solve_gptq(&config, &weights, out, inp, &h)
