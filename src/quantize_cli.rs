@@ -124,17 +124,22 @@ pub struct Args {
     /// Plain round-to-nearest instead of the GPTQ solver (a baseline for comparisons).
     #[arg(long)]
     rtn: bool,
-    /// GPTQ: search each group's range for the least diag(H)-weighted error |w − q|^norm
-    /// before the solve (GPTQModel's `mse`): shrink factors 1 − i/100 down to
-    /// 1 − --clip-max-shrink. On a GPU the search runs on the device.
-    #[arg(long)]
+    /// GPTQ: search each group's range for the least diag(H)-weighted error |w − q|^norm at
+    /// each group start of the column loop (GPTQModel's `mse`): shrink factors 1 − i/100 down
+    /// to 1 − --clip-max-shrink. On by default (this flag is kept for scripts); on a GPU the
+    /// search runs on the device.
+    #[arg(long, conflicts_with = "no_clip_search")]
     clip_search: bool,
+    /// GPTQ: no clipping search; each group's range is its min/max (the default until
+    /// 2026-12-03).
+    #[arg(long)]
+    no_clip_search: bool,
     /// GPTQ clipping search: the largest shrink of a group's range.
     #[arg(long, default_value_t = 0.8)]
     clip_max_shrink: f32,
     /// GPTQ clipping search: the error exponent (1 to 4 are products; any other one costs
     /// a `powf` per weight and candidate, about ten times as much on the CPU).
-    #[arg(long, default_value_t = 2.4)]
+    #[arg(long, default_value_t = 2.0)]
     clip_norm: f32,
     /// NVFP4 block-scale search iterations (1 = plain max calibration).
     #[arg(long, default_value_t = 120)]
@@ -716,7 +721,7 @@ fn memory_plan(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 40] = [
+    let flags: [(&str, String); 41] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -742,6 +747,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--rtn-fallback", a.rtn_fallback.to_string()),
         ("--rtn", a.rtn.to_string()),
         ("--clip-search", a.clip_search.to_string()),
+        ("--no-clip-search", a.no_clip_search.to_string()),
         ("--clip-max-shrink", a.clip_max_shrink.to_string()),
         ("--clip-norm", a.clip_norm.to_string()),
         ("--mse-iters", a.mse_iters.to_string()),
@@ -857,9 +863,9 @@ fn options_from(
     options.true_sequential = args.true_sequential;
     options.gptq.rtn_fallback = args.rtn_fallback;
     options.gptq.rtn = args.rtn;
-    options.gptq.clip = match args.clip_search {
-        false => None,
-        true => Some(
+    options.gptq.clip = match args.no_clip_search {
+        true => None,
+        false => Some(
             ClipSearch::new(100, args.clip_max_shrink, args.clip_norm)
                 .map_err(|e| format!("--clip-max-shrink / --clip-norm: {e}"))?,
         ),

@@ -161,6 +161,15 @@ pub struct ClipSearch {
 impl Eq for ClipSearch {}
 
 impl ClipSearch {
+    /// The toolkit's default: grid 100, shrink up to 80 %, norm 2. With `diag(H)` as the
+    /// column weights (as GPTQ passes them) the error is the diagonal part of the proxy
+    /// output error, and every candidate is products, no `powf`.
+    pub const DEFAULT: ClipSearch = ClipSearch {
+        grid: 100,
+        max_shrink: 0.8,
+        norm: 2.0,
+    };
+
     /// GPTQModel's defaults: grid 100, shrink up to 80 %, norm 2.4.
     pub const GPTQMODEL: ClipSearch = ClipSearch {
         grid: 100,

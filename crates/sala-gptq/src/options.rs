@@ -31,7 +31,8 @@ pub struct GptqOptions {
     /// Skip the solver: plain round-to-nearest on the same grid (the baseline); default off.
     pub rtn: bool,
     /// A clipping search for each group's range, errors weighted by `diag(H)` (GPTQModel's
-    /// `mse`); default off. A device solver runs it on the device.
+    /// `mse`); default [`ClipSearch::DEFAULT`] (norm 2), `None` for the plain min/max range.
+    /// A device solver runs it on the device.
     pub clip: Option<ClipSearch>,
 }
 
@@ -46,7 +47,7 @@ impl Default for GptqOptions {
             group_aware_order: true,
             rtn_fallback: false,
             rtn: false,
-            clip: None,
+            clip: Some(ClipSearch::DEFAULT),
         }
     }
 }

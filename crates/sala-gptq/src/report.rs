@@ -22,7 +22,8 @@ pub struct LinearReport {
     /// Proxy output error of the chosen quantization: `tr((W−Q) H (W−Q)ᵀ)` with the full
     /// (smoothed) Hessian for GPTQ, with its diagonal `E[x²]` for NVFP4.
     pub output_error: Option<f64>,
-    /// The same error for the baseline: RTN (GPTQ) or max calibration (NVFP4).
+    /// The same error for the baseline: round-to-nearest on each group's min/max range, without
+    /// the clipping search (GPTQ), or max calibration (NVFP4).
     pub baseline_output_error: Option<f64>,
     /// Range of the smoothing scales folded into this linear's input columns.
     pub smooth_scale_range: Option<(f32, f32)>,
