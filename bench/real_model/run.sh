@@ -29,7 +29,7 @@
 # FLAGS...": one more run of ours at group 128 per line, named ours-g128-NAME, e.g.
 # bench/real_model/ablations.txt), SCORE_ARGS (e.g. --windows 4: the first
 # 4 windows of each text; all 16 cost ~10-20 s per window and model on 2 busy cores),
-# PYTHON (for the venv), REUSE.
+# PYTHON (for the venv), REUSE, GPTQMODEL_GAR (1: GPTQModel with its default act_group_aware).
 set -uo pipefail
 
 if [[ $# -ne 2 ]]; then
@@ -85,19 +85,22 @@ timed() {
 
 candidates=()
 # 4. GPTQModel
+# GPTQMODEL_GAR=1: GPTQModel at its own default, act_group_aware on (names gptqmodel-gar-g<G>).
+gm_name=gptqmodel; gm_args=()
+if [[ "${GPTQMODEL_GAR:-0}" == 1 ]]; then gm_name=gptqmodel-gar; gm_args=(--gar); fi
 for g in $GROUP_SIZES; do
-    dest="$CKPT/gptqmodel-g$g"
-    if [[ "$REUSE" == 1 && -f "$dest/config.json" && -f "$OUT/gptqmodel-g$g.time.txt" ]]; then
+    dest="$CKPT/$gm_name-g$g"
+    if [[ "$REUSE" == 1 && -f "$dest/config.json" && -f "$OUT/$gm_name-g$g.time.txt" ]]; then
         log "GPTQModel g$g: reusing $dest"
     else
         rm -rf "$dest" "$dest.timing.json"
         log "GPTQModel g$g: quantizing (CPU, $THREADS workers; ~30 min on 2 busy cores)"
-        timed "gptqmodel-g$g" "$PY" "$HERE/run_gptqmodel.py" --model "$MODEL" \
+        timed "$gm_name-g$g" "$PY" "$HERE/run_gptqmodel.py" --model "$MODEL" \
             --calib-tokens "$DATA/calib_tokens.json" --output "$dest" --group-size "$g" \
-            --threads "$THREADS" || die "GPTQModel g$g failed (see $OUT/gptqmodel-g$g.log)"
-        cp "$dest.timing.json" "$OUT/gptqmodel-g$g.timing.json"
+            --threads "$THREADS" "${gm_args[@]}" || die "GPTQModel g$g failed (see $OUT/$gm_name-g$g.log)"
+        cp "$dest.timing.json" "$OUT/$gm_name-g$g.timing.json"
     fi
-    candidates+=("--candidate" "gptqmodel-g$g=$dest")
+    candidates+=("--candidate" "$gm_name-g$g=$dest")
 done
 
 # 5. ours
