@@ -1,6 +1,6 @@
 //! `gptq_solve` against `reference::gptq_column_loop` on the same prepared `(W, U)`.
 
-use sala_formats::{ClipSearch, IntQuantizer, IntScheme};
+use sala_formats::{ClipSearch, IntQuantizer, IntScheme, QuantParams};
 use sala_hessian::faer::MatRef;
 use sala_hessian::reference::{gptq_column_loop, inverse_upper_textbook};
 use sala_hessian::{BlockedLoop, ColumnProblem, GptqColumnLoop, Hessian};
@@ -31,6 +31,28 @@ fn upper_factor(rng: &mut Rng, inp: usize) -> Vec<f32> {
     (0..inp * inp)
         .map(|k| u[(k / inp, k % inp)] as f32)
         .collect()
+}
+
+/// Row `r`'s loss `Σ_c (w − q)²/(2·U[c,c]²)` from the error-updated weights `updated`, the
+/// codes and the group parameters `[out, groups]` of a host loop (`[out, inp]` row-major).
+fn row_loss_of(
+    r: usize,
+    inp: usize,
+    group: usize,
+    u: &[f32],
+    updated: &[f32],
+    codes: &[u8],
+    params: &[QuantParams],
+) -> f64 {
+    let groups = inp.div_ceil(group);
+    (0..inp)
+        .map(|c| {
+            let q = IntQuantizer::dequantize(codes[r * inp + c], params[r * groups + c / group]);
+            let diff = (updated[r * inp + c] - q) as f64;
+            let d = u[c * inp + c] as f64;
+            diff * diff / (2.0 * d * d)
+        })
+        .sum()
 }
 
 /// Solves on both sides and compares row by row: a row without a flipped code must have the
@@ -101,15 +123,7 @@ fn compare(out: usize, inp: usize, config: DeviceGptqConfig, seed: u64) {
                 "{label}: row {r} group {g}: {a:?} vs {b:?}"
             );
         }
-        let want: f64 = (0..inp)
-            .map(|c| {
-                let p = cpu.params[r * groups + c / gs];
-                let q = IntQuantizer::dequantize(c_codes[c], p);
-                let diff = (cpu.weights[r * inp + c] - q) as f64;
-                let d = u[c * inp + c] as f64;
-                diff * diff / (2.0 * d * d)
-            })
-            .sum();
+        let want = row_loss_of(r, inp, gs, &u, &cpu.weights, &cpu.codes, &cpu.params);
         let rel = (row_loss[r] as f64 - want).abs() / want;
         assert!(
             rel < 1e-4,
@@ -347,15 +361,7 @@ fn device_clip_search_matches_the_host_loop() {
                 clipped_groups += usize::from(b.scale < 0.99 * 2.0 * absmax / 15.0);
             }
             // `host_w` holds the error-updated weight each column was quantized from.
-            let want: f64 = (0..inp)
-                .map(|c| {
-                    let p = host.params_rows[r * groups + c / group];
-                    let q = IntQuantizer::dequantize(host.codes[r * inp + c], p);
-                    let diff = (host_w[r * inp + c] - q) as f64;
-                    let d = u[c * inp + c] as f64;
-                    diff * diff / (2.0 * d * d)
-                })
-                .sum();
+            let want = row_loss_of(r, inp, group, &u, &host_w, &host.codes, &host.params_rows);
             let rel = (row_loss[r] as f64 - want).abs() / want;
             assert!(
                 rel < 1e-4,
