@@ -206,11 +206,6 @@ impl ClipSearch {
         self.norm
     }
 
-    /// The grid: candidate `i` shrinks the range by `i / grid`.
-    pub fn grid(&self) -> u32 {
-        self.grid
-    }
-
     /// The best parameters of `quantizer` for `values`, each column weighted by `weights`
     /// (same length as `values`) when given.
     ///
@@ -227,7 +222,8 @@ impl ClipSearch {
         let mut best = quantizer.params_from_range(min, max);
         let mut best_error = weighted_error(quantizer, best, power, values, weights);
         for i in 1..self.candidates() {
-            let p = quantizer.params_from_range(min * self.shrink(i), max * self.shrink(i));
+            let shrink = self.shrink(i);
+            let p = quantizer.params_from_range(min * shrink, max * shrink);
             let e = weighted_error(quantizer, p, power, values, weights);
             if e < best_error {
                 (best, best_error) = (p, e);
