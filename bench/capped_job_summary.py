@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """One capped real-job run's figures (bench/run_capped_job.sh) as a JSON entry, added to the
 `capped_runs` list of bench/results/real-job-h200.json (an entry with the same recipe and cap
-is replaced):
+is replaced), or to the list `--key` names (an entry with the same tag is replaced):
 
-    python3 bench/capped_job_summary.py OUT TAG CAP_GB --note "..." \
+    python3 bench/capped_job_summary.py OUT TAG CAP_GB --note "..." [--key default_runs] \
         --into bench/results/real-job-h200.json
 
 Reads OUT/TAG.log (the command's log, GNU time's figures at its end), OUT/TAG-report.json (the
@@ -80,6 +80,9 @@ def main():
     p.add_argument("cap_gb", type=float, help="0: uncapped")
     p.add_argument("--note", default="")
     p.add_argument("--into", required=True)
+    p.add_argument("--key", default="capped_runs",
+                   help="the list to put the entry in (an entry with the same tag, or in "
+                        "capped_runs the same recipe and cap, is replaced)")
     args = p.parse_args()
     text = open(f"{args.out}/{args.tag}.log").read()
     entry = {"tag": args.tag, "device_cap_gb": args.cap_gb or None}
@@ -123,10 +126,13 @@ def main():
     if args.note:
         entry["note"] = args.note
     results = json.load(open(args.into))
-    runs = [r for r in results.get("capped_runs", [])
-            if (r.get("recipe"), r.get("device_cap_gb")) != (entry["recipe"], entry["device_cap_gb"])]
+    def same(r):
+        if args.key == "capped_runs":
+            return (r.get("recipe"), r.get("device_cap_gb")) == (entry["recipe"], entry["device_cap_gb"])
+        return r.get("tag") == entry["tag"]
+    runs = [r for r in results.get(args.key, []) if not same(r)]
     runs.append(entry)
-    results["capped_runs"] = runs
+    results[args.key] = runs
     with open(args.into, "w") as f:
         json.dump(results, f, indent=2)
         f.write("\n")
