@@ -3,7 +3,7 @@ public-domain texts, tokenized with the model's tokenizer.json (the `tokenizers`
 library our Rust calibration reader uses too).
 
     python make_data.py --model HF_DIR --out DATA_DIR [--calib-windows 32] [--heldout-windows 16]
-                        [--window 512]
+                        [--window 512] [--calib-phase 0]
 
 Writes to DATA_DIR:
 
@@ -18,7 +18,9 @@ Writes to DATA_DIR:
 - data.json: the choices, and how many calibration windows re-encode to exactly their tokens.
 
 Calibration: `fixtures/text/calib-source/kjv-genesis-exodus.txt` (King James Bible, Genesis and
-Exodus), 32 windows of 512 tokens spread evenly over the text (non-overlapping). Held-out: the
+Exodus), 32 windows of 512 tokens spread evenly over the text (non-overlapping). `--calib-phase
+P` (0, 1 or 2) shifts every window by P thirds of the stride: three disjoint calibration subsets
+of the same text, for the noise band of a quality table (phase 0 is the default set). Held-out: the
 first 16 consecutive windows of 512 tokens of `fixtures/text/heldout.txt` (Botchan, in
 English) and of `fixtures/text/calib-source/devil-a-d.txt` (The Devil's Dictionary, A to D).
 """
@@ -38,14 +40,33 @@ HELDOUT_TEXTS = {
 }
 
 
-def spread_windows(n_tokens: int, window: int, count: int) -> list[int]:
-    """Start offsets of `count` non-overlapping windows spread evenly over `n_tokens`."""
+PHASES = 3
+
+
+def spread_windows(n_tokens: int, window: int, count: int, phase: int = 0) -> list[int]:
+    """Start offsets of `count` non-overlapping windows spread evenly over `n_tokens`.
+
+    Phase 0 is the default set. Phase P shifts every window by P thirds of the stride; a window
+    that would then run past the text's end takes the free slot at the end of stride P − 1 instead
+    (the stride holds three shifted windows and one more). The phases are disjoint: checked."""
     if count * window > n_tokens:
         sys.exit(f"error: {count} windows of {window} tokens need {count * window} tokens, the text has {n_tokens}")
     if count == 1:
         return [0]
     stride = (n_tokens - window) // (count - 1)
-    return [i * stride for i in range(count)]
+    if phase == 0:
+        return phase_starts(n_tokens, window, count, 0, stride)
+    phases = [phase_starts(n_tokens, window, count, p, stride) for p in range(PHASES)]
+    every = sorted(s for starts in phases for s in starts)
+    if any(b - a < window for a, b in zip(every, every[1:])):
+        sys.exit(f"error: --calib-phase {phase}: a stride of {stride} tokens is too short for {PHASES} disjoint phases of {window}-token windows")
+    return phases[phase]
+
+
+def phase_starts(n_tokens: int, window: int, count: int, phase: int, stride: int) -> list[int]:
+    """The starts of `spread_windows` for one phase, unchecked."""
+    shifted = (i * stride + phase * (stride // PHASES) for i in range(count))
+    return [s if s + window <= n_tokens else (phase - 1) * stride + stride - window for s in shifted]
 
 
 def main() -> int:
@@ -55,6 +76,8 @@ def main() -> int:
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--heldout-windows", type=int, default=16)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--calib-phase", type=int, default=0, choices=range(PHASES),
+                    help="which of three disjoint calibration subsets (0: the default windows)")
     args = ap.parse_args()
 
     from tokenizers import Tokenizer
@@ -73,7 +96,7 @@ def main() -> int:
 
     # Calibration windows, decoded, re-encoded.
     ids = encode(CALIB_TEXT.read_text(encoding="utf-8"))
-    starts = spread_windows(len(ids), w, args.calib_windows)
+    starts = spread_windows(len(ids), w, args.calib_windows, args.calib_phase)
     windows = [ids[s : s + w] for s in starts]
     texts = [tok.decode(win, skip_special_tokens=False) for win in windows]
     reencoded = [encode(t) for t in texts]
@@ -112,6 +135,7 @@ def main() -> int:
             "source": str(CALIB_TEXT.relative_to(REPO)),
             "text_tokens": len(ids),
             "windows": len(windows),
+            "phase": args.calib_phase,
             "starts": starts,
             "reencoded_exactly": exact,
             "reencoded_full_length": same_len,
