@@ -11,10 +11,11 @@ use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
 use sala_gptq::hessian::{ClipSearch, IntScheme, Nvfp4BlockSearch};
 use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
 use sala_gptq::plan::LoaderTarget;
+use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
     LayerBits, LayerFootprint, LayerReport, LinearSolver, MemoryPlan, MemoryProbe, Nvfp4Coverage,
-    Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Stage,
-    StagedRun,
+    Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Smoothing,
+    Stage, StagedRun,
 };
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -83,9 +84,11 @@ pub struct Args {
     /// Skip malformed JSONL lines (counted) instead of failing.
     #[arg(long)]
     skip_malformed: bool,
-    /// SmoothQuant migration strength α.
-    #[arg(long, default_value_t = 0.5)]
-    smooth_alpha: f32,
+    /// SmoothQuant migration strength: α in [0, 1] for every group, or `search` for AWQ's
+    /// search per group (20 points, α = 0, 0.05, …, 0.95, and the unsmoothed weights, scored by
+    /// the group's round-to-nearest output error on the calibration's E[x²]).
+    #[arg(long, default_value = "0.5", value_parser = parse_smooth_alpha)]
+    smooth_alpha: SmoothAlphaArg,
     /// Turn SmoothQuant off.
     #[arg(long)]
     no_smooth: bool,
@@ -875,7 +878,10 @@ fn options_from(
         max_shrink: args.mse_max_shrink,
         error_norm: args.mse_error_norm,
     };
-    options.smooth_alpha = (!args.no_smooth).then_some(args.smooth_alpha);
+    options.smoothing = (!args.no_smooth).then_some(match args.smooth_alpha {
+        SmoothAlphaArg::Fixed(alpha) => Smoothing::Fixed(alpha),
+        SmoothAlphaArg::Search => Smoothing::Searched(AlphaGrid::DEFAULT),
+    });
     options.run.attention = AttentionMode::Dense;
     if args.f32 {
         options.run.numerics = Numerics::F32;
@@ -1047,5 +1053,33 @@ mod tests {
         // The device is refused first: the missing model is never looked at.
         assert!(err.contains("--features cuda"), "{err}");
         assert!(!err.contains("missing-model"), "{err}");
+    }
+}
+
+/// `--smooth-alpha`: a fixed α or `search`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum SmoothAlphaArg {
+    Fixed(f32),
+    Search,
+}
+
+impl std::fmt::Display for SmoothAlphaArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SmoothAlphaArg::Fixed(alpha) => write!(f, "{alpha}"),
+            SmoothAlphaArg::Search => f.write_str("search"),
+        }
+    }
+}
+
+fn parse_smooth_alpha(value: &str) -> Result<SmoothAlphaArg, String> {
+    if value == "search" {
+        return Ok(SmoothAlphaArg::Search);
+    }
+    match value.parse::<f32>() {
+        Ok(alpha) if (0.0..=1.0).contains(&alpha) => Ok(SmoothAlphaArg::Fixed(alpha)),
+        _ => Err(format!(
+            "{value:?} is neither a number in [0, 1] nor `search`"
+        )),
     }
 }

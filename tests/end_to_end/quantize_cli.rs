@@ -149,7 +149,6 @@ fn flags_that_could_only_fail_later_fail_before_any_compute() {
         (vec!["--exclude", ""], &["nothing to quantize"]),
         (vec!["--damp", "0"], &["--damp", "percdamp"]),
         (vec!["--damp=-1", "--plan-only"], &["--damp"]),
-        (vec!["--smooth-alpha", "1.5"], &["--smooth-alpha", "1.5"]),
         (
             vec!["--recipe", "nvfp4", "--mse-iters", "0"],
             &["--mse-iters", "iters"],
@@ -167,6 +166,24 @@ fn flags_that_could_only_fail_later_fail_before_any_compute() {
         }
         assert!(!err.contains('\n'), "one line: {err}");
         assert_absent(&out);
+    }
+}
+
+#[test]
+fn smooth_alpha_is_a_number_in_0_1_or_search() {
+    let err = Args::try_parse_from(["quantize_sala", "--smooth-alpha", "1.5"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--smooth-alpha") && err.contains("1.5"),
+        "{err}"
+    );
+    assert!(Args::try_parse_from(["quantize_sala", "--smooth-alpha", "searched"]).is_err());
+    for ok in ["search", "0", "0.5", "1"] {
+        assert!(
+            Args::try_parse_from(["quantize_sala", "--smooth-alpha", ok]).is_ok(),
+            "{ok}"
+        );
     }
 }
 

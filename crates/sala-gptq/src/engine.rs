@@ -4,16 +4,17 @@
 //! [`LinearSolver`] seam), hand the layer to a [`LayerSink`], and re-run the quantized layer to
 //! produce the next layer's inputs (the original scripts' quantized-input propagation).
 
+use crate::alpha_search::round_to_nearest_error;
 use crate::error::PipelineError;
 use crate::hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
-use crate::options::QuantizeOptions;
+use crate::options::{QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
 use crate::resident::ResidentSolver;
-use crate::smoothing::{fold_group, reader_map, smooth_group_of};
+use crate::smoothing::{fixed_scales, fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -25,7 +26,7 @@ use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
     SalaConfig,
 };
-use sala_smooth::ScaleRecipe;
+use sala_smooth::{AlphaChoice, AlphaGrid, ScaleRecipe, WeightMatrix};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -346,8 +347,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let t = Instant::now();
         progress.stage(Stage::Solve, quantized.len());
         let mut modified = BTreeSet::new();
-        let scale_ranges =
-            self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
+        let smoothed = self.smooth(&groups, &needed, &mut weights, &mut stats, &mut modified)?;
         report.stages.smooth = seconds_since(t);
 
         let mut solved = Vec::new();
@@ -377,7 +377,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 stage,
                 &mut weights,
                 &stats,
-                &scale_ranges,
+                &smoothed,
                 progress,
             )?);
             report.stages.solve += seconds_since(t);
@@ -593,7 +593,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .get(&group.readers[0])
             .and_then(|l| l.smooth_group.as_ref())
             .is_some();
-        self.options.smooth_alpha.is_some() && planned && smooth_group_of(group).is_some()
+        self.options.smoothing.is_some() && planned && smooth_group_of(group).is_some()
     }
 
     fn new_stats(
@@ -611,7 +611,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     }
 
     /// SmoothQuant on every group the plan marks ([`PlannedLinear::smooth_group`]) with a
-    /// quantized reader. Returns each smoothed linear's scale range.
+    /// quantized reader, α fixed or searched per group ([`Smoothing`]). Returns what each
+    /// smoothed linear got.
     fn smooth(
         &self,
         groups: &[InputGroup],
@@ -619,12 +620,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         weights: &mut LayerWeights,
         stats: &mut [Option<Finalized<B>>],
         modified: &mut BTreeSet<String>,
-    ) -> Result<BTreeMap<String, (f32, f32)>, PipelineError> {
-        let mut ranges = BTreeMap::new();
-        let Some(alpha) = self.options.smooth_alpha else {
-            return Ok(ranges);
+    ) -> Result<BTreeMap<String, Smoothed>, PipelineError> {
+        let mut smoothed = BTreeMap::new();
+        let Some(smoothing) = self.options.smoothing else {
+            return Ok(smoothed);
         };
-        let recipe = ScaleRecipe::original(alpha);
         let readers = reader_map(groups);
         for (g, group) in groups.iter().enumerate() {
             if !needed[g] || !self.smooths(group) {
@@ -643,7 +643,26 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 continue;
             };
             let act = finalized.rms();
-            let scales = fold_group(weights, &smooth_group, &recipe, &act)?;
+            // The folded scales and their α; `None` when the search keeps the group as it is.
+            let folded = match smoothing {
+                Smoothing::Fixed(alpha) => {
+                    let recipe = ScaleRecipe::original(alpha);
+                    fold_group(weights, &smooth_group, fixed_scales(&recipe, &act))?
+                        .map(|scales| (scales, alpha))
+                }
+                Smoothing::Searched(grid) => {
+                    let mut chosen = None;
+                    let scales = fold_group(weights, &smooth_group, |targets| {
+                        let choice = self.search_alpha(grid, &act, targets)?;
+                        chosen = choice.alpha;
+                        Ok(choice.alpha.map(|_| choice.scales))
+                    })?;
+                    scales.zip(chosen)
+                }
+            };
+            let Some((scales, alpha)) = folded else {
+                continue;
+            };
             finalized.rescale(&scales, &name)?;
             let range = scales
                 .iter()
@@ -651,10 +670,40 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             modified.insert(format!("{}.weight", smooth_group.source.name()));
             for t in &smooth_group.targets {
                 modified.insert(format!("{t}.weight"));
-                ranges.insert(t.clone(), range);
+                smoothed.insert(t.clone(), Smoothed { range, alpha });
             }
         }
-        Ok(ranges)
+        Ok(smoothed)
+    }
+
+    /// AWQ's α search on one group: every target scored by round to nearest in its planned
+    /// format, channels weighted by `E[x²]` = `act²`.
+    fn search_alpha(
+        &self,
+        grid: AlphaGrid,
+        act: &[f32],
+        targets: &[WeightMatrix<'_>],
+    ) -> sala_smooth::Result<AlphaChoice> {
+        let channel_weights: Vec<f32> = act.iter().map(|a| a * a).collect();
+        let scheme = self.options.gptq.scheme;
+        let treatments: BTreeMap<&str, &Treatment> = targets
+            .iter()
+            .filter_map(|t| {
+                let linear = t.name().strip_suffix(".weight").unwrap_or(t.name());
+                Some((t.name(), &self.plan.get(linear)?.treatment))
+            })
+            .collect();
+        sala_smooth::search_alpha(
+            &ScaleRecipe::original(0.5),
+            grid,
+            act,
+            &channel_weights,
+            targets,
+            |name, x, _, cols, c| match treatments.get(name) {
+                Some(treatment) => round_to_nearest_error(treatment, scheme, x, cols, c),
+                None => 0.0,
+            },
+        )
     }
 
     /// Solves every quantized linear that reads an input group of `stage` and replaces its
@@ -667,7 +716,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         stage: &[usize],
         weights: &mut LayerWeights,
         stats: &[Option<Finalized<B>>],
-        scale_ranges: &BTreeMap<String, (f32, f32)>,
+        smoothed: &BTreeMap<String, Smoothed>,
         progress: &mut dyn Progress,
     ) -> Result<Vec<(String, SolvedLinear)>, PipelineError> {
         let group_of: BTreeMap<&str, usize> = groups
@@ -700,7 +749,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 gptq_loss: None,
                 output_error: None,
                 baseline_output_error: None,
-                smooth_scale_range: scale_ranges.get(&linear.name).copied(),
+                smooth_scale_range: smoothed.get(&linear.name).map(|s| s.range),
+                smooth_alpha: smoothed.get(&linear.name).map(|s| s.alpha),
                 damping_retries: 0,
                 rtn_fallback: false,
                 seconds: 0.0,
@@ -968,6 +1018,15 @@ fn hand_over(
         }
     }
     Ok(())
+}
+
+/// What smoothing did to one linear's input.
+#[derive(Debug, Clone, Copy)]
+struct Smoothed {
+    /// The range of the scales folded into the input columns.
+    range: (f32, f32),
+    /// The group's migration strength α (fixed or searched).
+    alpha: f32,
 }
 
 /// `Σ_rows Σ_j d_j (w − q)²`: the output error under a diagonal Hessian.

@@ -31,6 +31,7 @@
 //!
 //! Users depend on this crate alone: the crates it composes are re-exported below.
 
+mod alpha_search;
 pub mod budget;
 pub mod data_parallel;
 pub mod engine;
@@ -56,7 +57,7 @@ pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
-pub use options::{GptqOptions, QuantizeOptions, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS};
+pub use options::{GptqOptions, QuantizeOptions, Smoothing, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS};
 pub use packing::pack_samples;
 pub use pipeline::{Pipeline, StagedRun};
 pub use plan::{

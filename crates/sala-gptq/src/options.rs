@@ -6,6 +6,7 @@ use sala_hessian::{
     ClipSearch, Damping, FailurePolicy, Gptq, GptqConfig, IntGrid, IntScheme, Nvfp4BlockSearch,
 };
 use sala_model::{AttentionMode, Numerics, RunOptions};
+use sala_smooth::AlphaGrid;
 
 /// GPTQ solver options.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,6 +94,16 @@ pub const DEFAULT_MLP_ROWS: usize = 16_384;
 /// values, 0.5 GB at 16384 × 16384) stay a fraction of its memory.
 pub const DEFAULT_PACK_TOKENS: usize = 16_384;
 
+/// How SmoothQuant's migration strength α is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Smoothing {
+    /// One α in `[0, 1]` for every group (`--smooth-alpha 0.5`).
+    Fixed(f32),
+    /// AWQ's grid search per group on the quantized group's channel-weighted output error
+    /// ([`sala_smooth::search_alpha`]; `--smooth-alpha search`).
+    Searched(AlphaGrid),
+}
+
 /// All options of a run.
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
@@ -102,8 +113,9 @@ pub struct QuantizeOptions {
     pub gptq: GptqOptions,
     /// Block-scale search (NVFP4 recipe): iterations, maximum shrink, error norm.
     pub nvfp4_search: Nvfp4BlockSearch,
-    /// SmoothQuant migration strength α; `None` turns smoothing off (default 0.5).
-    pub smooth_alpha: Option<f32>,
+    /// SmoothQuant and how its migration strength α is chosen; `None` turns smoothing off
+    /// (default: a fixed α = 0.5).
+    pub smoothing: Option<Smoothing>,
     /// How the model runs (numerics, dense mode for minicpm4 layers).
     pub run: RunOptions,
     /// Bytes of host memory the hidden states of all samples may take; beyond it they go to a
@@ -163,7 +175,7 @@ impl QuantizeOptions {
             plan: PlanOptions::new(recipe),
             gptq: GptqOptions::default(),
             nvfp4_search: Nvfp4BlockSearch::default(),
-            smooth_alpha: Some(0.5),
+            smoothing: Some(Smoothing::Fixed(0.5)),
             run: RunOptions {
                 numerics: Numerics::Bf16Rounding,
                 attention: AttentionMode::Dense,
@@ -193,7 +205,7 @@ impl QuantizeOptions {
         if plan.quantized().next().is_none() {
             return Err(PlanError::NothingQuantized);
         }
-        if let Some(alpha) = self.smooth_alpha {
+        if let Some(Smoothing::Fixed(alpha)) = self.smoothing {
             if !(0.0..=1.0).contains(&alpha) {
                 return Err(PlanError::Option {
                     option: "--smooth-alpha",

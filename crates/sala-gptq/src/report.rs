@@ -27,6 +27,10 @@ pub struct LinearReport {
     pub baseline_output_error: Option<f64>,
     /// Range of the smoothing scales folded into this linear's input columns.
     pub smooth_scale_range: Option<(f32, f32)>,
+    /// SmoothQuant's migration strength α of this linear's group, fixed or searched; `None`
+    /// when the input is not smoothed (smoothing off, not foldable, or the α search found the
+    /// unsmoothed weights best).
+    pub smooth_alpha: Option<f32>,
     /// Damping retries of the Cholesky inverse (GPTQ).
     pub damping_retries: usize,
     /// Whether GPTQ fell back to RTN.

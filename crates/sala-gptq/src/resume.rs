@@ -147,7 +147,14 @@ pub(crate) fn fingerprint(
         ("options: plan", format!("{:?}", o.plan)),
         ("options: GPTQ", format!("{:?}", o.gptq)),
         ("options: NVFP4 search", format!("{:?}", o.nvfp4_search)),
-        ("options: smoothing alpha", format!("{:?}", o.smooth_alpha)),
+        (
+            "options: smoothing alpha",
+            // A fixed α reads as it did before the search existed, so those runs still resume.
+            match o.smoothing {
+                Some(crate::Smoothing::Fixed(alpha)) => format!("{:?}", Some(alpha)),
+                other => format!("{other:?}"),
+            },
+        ),
         ("options: numerics", format!("{:?}", o.run)),
         (
             "options: statistics on the device",
@@ -208,6 +215,8 @@ struct SavedLinear {
     output_error: Option<Bits64>,
     baseline_output_error: Option<Bits64>,
     smooth_scale_range: Option<(u32, u32)>,
+    #[serde(default)]
+    smooth_alpha: Option<u32>,
     damping_retries: usize,
     rtn_fallback: bool,
     seconds: f64,
@@ -226,6 +235,7 @@ impl From<&LinearReport> for SavedLinear {
             smooth_scale_range: l
                 .smooth_scale_range
                 .map(|(a, b)| (a.to_bits(), b.to_bits())),
+            smooth_alpha: l.smooth_alpha.map(f32::to_bits),
             damping_retries: l.damping_retries,
             rtn_fallback: l.rtn_fallback,
             seconds: l.seconds,
@@ -246,6 +256,7 @@ impl From<&SavedLinear> for LinearReport {
             smooth_scale_range: l
                 .smooth_scale_range
                 .map(|(a, b)| (f32::from_bits(a), f32::from_bits(b))),
+            smooth_alpha: l.smooth_alpha.map(f32::from_bits),
             damping_retries: l.damping_retries,
             rtn_fallback: l.rtn_fallback,
             seconds: l.seconds,

@@ -26,15 +26,18 @@ pub fn reader_map(groups: &[InputGroup]) -> ReaderMap {
     readers
 }
 
-/// Computes the group's scales from the activation magnitudes `act` `[channels]` and folds them
-/// into the source (`/s`) and every target's input columns (`·s`) in `weights`; returns the
-/// scales. Nothing changes unless every tensor is present and every shape matches.
-pub fn fold_group(
+/// Chooses the group's scales with `choose` (given the targets as they are) and folds them into
+/// the source (`/s`) and every target's input columns (`·s`) in `weights`; returns the scales,
+/// or `None` when `choose` keeps the group unsmoothed. Nothing changes unless every tensor is
+/// present and every shape matches.
+pub fn fold_group<F>(
     weights: &mut LayerWeights,
     group: &SmoothGroup,
-    recipe: &ScaleRecipe,
-    act: &[f32],
-) -> Result<Vec<f32>, PipelineError> {
+    choose: F,
+) -> Result<Option<Vec<f32>>, PipelineError>
+where
+    F: FnOnce(&[WeightMatrix<'_>]) -> sala_smooth::Result<Option<Vec<f32>>>,
+{
     let source_name = format!("{}.weight", group.source.name());
     let smooth_err = |source| PipelineError::Smooth {
         group: group.source.name().to_owned(),
@@ -58,6 +61,9 @@ pub fn fold_group(
             .iter_mut()
             .map(|(name, t)| WeightMatrix::new(name, &mut t.data, t.shape[0], t.shape[1]))
             .collect::<Result<Vec<_>, _>>()?;
+        let Some(scales) = choose(&matrices)? else {
+            return Ok(None);
+        };
         let source_weight = match &group.source {
             SmoothSource::Norm(_) => SourceWeight::Norm {
                 name: &source_name,
@@ -73,11 +79,24 @@ pub fn fold_group(
                 )?)
             }
         };
-        sala_smooth::smooth_group_with_activation(recipe, act, source_weight, &mut matrices)
+        sala_smooth::apply_scales(&scales, source_weight, &mut matrices)?;
+        Ok(Some(scales))
     })()
     .map_err(smooth_err);
     put_back(weights, source_name.clone(), source, targets);
     result
+}
+
+/// The scales of a fixed `recipe` from the activation magnitudes `act` `[channels]`: a
+/// chooser for [`fold_group`].
+pub fn fixed_scales<'a>(
+    recipe: &'a ScaleRecipe,
+    act: &'a [f32],
+) -> impl FnOnce(&[WeightMatrix<'_>]) -> sala_smooth::Result<Option<Vec<f32>>> + 'a {
+    move |targets| {
+        let wmax = sala_smooth::weight_column_absmax(targets)?;
+        sala_smooth::compute_scales(recipe, act, &wmax).map(Some)
+    }
 }
 
 fn take(weights: &mut LayerWeights, name: &str) -> Result<HostTensor, PipelineError> {

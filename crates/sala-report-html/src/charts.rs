@@ -299,11 +299,12 @@ fn ratio(linears: &[LinearReport], placed: &Placed) -> Result<Option<String>, Re
     .map(Some)
 }
 
-/// One smoothing group: where it is drawn, its source kind and its scale range.
+/// One smoothing group: where it is drawn, its source kind, its scale range and its α.
 pub(crate) struct Group {
     pub(crate) layer: usize,
     pub(crate) source: String,
     pub(crate) range: (f64, f64),
+    pub(crate) alpha: Option<f32>,
 }
 
 /// The smoothing groups with their scale ranges: by the plan's group names when the report
@@ -334,6 +335,7 @@ pub(crate) fn smoothing_groups(linears: &[LinearReport], plan: Option<&Plan>) ->
                     layer: l.layer().unwrap_or(0),
                     source: name.rsplit('.').next().unwrap_or(&name).to_owned(),
                     range: (a, b),
+                    alpha: l.smooth_alpha,
                 },
             )),
         }

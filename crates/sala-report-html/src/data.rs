@@ -94,6 +94,9 @@ pub struct LinearReport {
     pub baseline_output_error: Option<f64>,
     /// Range of the smoothing scales folded into the input columns.
     pub smooth_scale_range: Option<(f32, f32)>,
+    /// The smoothing group's migration strength α (fixed or searched); absent in older reports.
+    #[serde(default)]
+    pub smooth_alpha: Option<f32>,
     /// Damping retries of the Cholesky inverse.
     #[serde(default)]
     pub damping_retries: usize,

@@ -5,12 +5,13 @@
 //! test reads it with an XML parser, and it is self-contained: styles inline, plots inline SVG,
 //! no script, no font, no link to anything.
 
-use crate::charts::{draw_all, smoothing_groups, Charts};
+use crate::charts::{draw_all, smoothing_groups, Charts, Group};
 use crate::data::{
     DriftResults, EvalMetrics, EvalResults, LinearReport, PlanRow, QuantizationReport,
 };
 use crate::error::ReportError;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// What a page is rendered from.
 #[derive(Debug, Clone)]
@@ -438,13 +439,35 @@ fn linear_row(l: &LinearReport) -> LinearRow {
         } else {
             ""
         },
-        smooth: l
-            .smooth_scale_range
-            .map_or("–".into(), |(a, b)| format!("{a:.3} … {b:.3}")),
+        smooth: match (l.smooth_scale_range, l.smooth_alpha) {
+            (Some((a, b)), Some(alpha)) => format!("α {alpha:.2}: {a:.3} … {b:.3}"),
+            (Some((a, b)), None) => format!("{a:.3} … {b:.3}"),
+            (None, _) => "–".into(),
+        },
         retries: l.damping_retries,
         fallback: l.rtn_fallback,
         seconds: format!("{:.2}", l.seconds),
     }
+}
+
+/// How many smoothing groups got each α (`0.20 (5 groups), 0.50 (3 groups)`), when the groups
+/// report one.
+fn alpha_counts(groups: &[Group]) -> Option<String> {
+    let mut counts: BTreeMap<u32, usize> = BTreeMap::new();
+    for alpha in groups.iter().filter_map(|g| g.alpha) {
+        // Hundredths: the search's grid is 0.05 apart, and a fixed α prints as given.
+        *counts.entry((alpha * 100.0).round() as u32).or_default() += 1;
+    }
+    (!counts.is_empty()).then(|| {
+        counts
+            .iter()
+            .map(|(a, n)| {
+                let s = if *n == 1 { "" } else { "s" };
+                format!("{:.2} ({n} group{s})", *a as f32 / 100.0)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
 }
 
 /// The few sentences a reader wants first: totals, where the solver lost to the baseline,
@@ -541,6 +564,9 @@ fn highlights(q: &QuantizationReport, baseline: &str) -> Vec<String> {
             high.layer,
             high.source
         ));
+        if let Some(alphas) = alpha_counts(&groups) {
+            out.push(format!("Smoothing α by group: {alphas}."));
+        }
     } else {
         out.push("No smoothing.".into());
     }

@@ -182,3 +182,29 @@ fn bad_inputs_are_errors_that_name_the_file() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn each_group_s_alpha_is_on_the_page() {
+    let (mut inputs, mut json) = inputs("gptq-w4a16");
+    let linears = json["report"]["linears"].as_array_mut().unwrap();
+    let mut smoothed = 0;
+    for l in linears.iter_mut() {
+        if !l["smooth_scale_range"].is_null() {
+            l["smooth_alpha"] = serde_json::json!(0.2);
+            smoothed += 1;
+        }
+    }
+    assert!(smoothed > 0, "the example smooths nothing");
+    let dir = std::env::temp_dir().join(format!("sala-report-html-alpha-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    inputs.report = QuantizationReport::from_file(&path).unwrap();
+    let page = render(&inputs).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        page.contains("Smoothing α by group: 0.20 ("),
+        "no α summary"
+    );
+    assert!(page.contains("α 0.20: "), "no α in the linears' table");
+}

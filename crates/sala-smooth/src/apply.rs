@@ -67,7 +67,7 @@ pub fn smooth_group(
 pub fn smooth_group_with_activation(
     recipe: &ScaleRecipe,
     act: &[f32],
-    mut source: SourceWeight<'_>,
+    source: SourceWeight<'_>,
     targets: &mut [WeightMatrix<'_>],
 ) -> Result<Vec<f32>> {
     if targets.is_empty() {
@@ -78,11 +78,27 @@ pub fn smooth_group_with_activation(
     check_channels(source.name(), act.len(), source.channels())?;
     let wmax = weight_column_absmax(targets)?;
     let scales = compute_scales(recipe, act, &wmax)?;
-    source.fold(&scales)?;
-    for target in targets.iter_mut() {
-        fold_into_input_columns(target, &scales)?;
-    }
+    apply_scales(&scales, source, targets)?;
     Ok(scales)
+}
+
+/// Folds given scales `[channels]` into a group: `source` gets `·/s`, each target `W[:, j]·s_j`
+/// (e.g. the scales an [`crate::search_alpha`] chose). Nothing is modified unless every shape
+/// matches.
+pub fn apply_scales(
+    scales: &[f32],
+    mut source: SourceWeight<'_>,
+    targets: &mut [WeightMatrix<'_>],
+) -> Result<()> {
+    check_channels(source.name(), scales.len(), source.channels())?;
+    for target in targets.iter() {
+        check_channels(target.name(), scales.len(), target.cols())?;
+    }
+    source.fold(scales)?;
+    for target in targets.iter_mut() {
+        fold_into_input_columns(target, scales)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

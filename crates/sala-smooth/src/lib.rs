@@ -13,7 +13,9 @@
 //!   Hessian transforms ([`transform_hessian`], [`transform_hessian_diag`]), all exact;
 //! - [`SmoothGroup`] descriptions checked against a [`ReaderMap`] so a group cannot forget a
 //!   reader of its source (the `o_gate` bug);
-//! - [`smooth_group`]: the whole group in one call.
+//! - [`smooth_group`]: the whole group in one call;
+//! - [`search_alpha`]: AWQ's grid search of the migration strength α per group, on the
+//!   quantized group's channel-weighted output error, with the caller's quantizer.
 //!
 //! Weights are row-major `[out, in]` ([`WeightMatrix`]), as `nn.Linear.weight` is stored.
 
@@ -23,9 +25,10 @@ mod fold;
 mod group;
 mod matrix;
 mod scales;
+mod search;
 mod stats;
 
-pub use apply::{smooth_group, smooth_group_with_activation, SourceWeight};
+pub use apply::{apply_scales, smooth_group, smooth_group_with_activation, SourceWeight};
 pub use error::{Result, SmoothError};
 pub use fold::{
     fold_into_input_columns, fold_into_norm, fold_into_output_rows, transform_hessian,
@@ -34,4 +37,5 @@ pub use fold::{
 pub use group::{validate_groups, ReaderMap, SmoothGroup, SmoothSource};
 pub use matrix::WeightMatrix;
 pub use scales::{compute_scales, weight_column_absmax, ClampRange, Normalisation, ScaleRecipe};
+pub use search::{search_alpha, AlphaChoice, AlphaGrid};
 pub use stats::{ActivationStat, ChannelStats, ChannelSums, Normalization};

@@ -6,9 +6,12 @@ use sala_gptq::calib::{CalibOptions, CalibSet, CalibTokenizer};
 use sala_gptq::evaluate::checkpoint_logits;
 use sala_gptq::export::Checkpoint;
 use sala_gptq::model::{LayerRunner, TensorStore};
+use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
     CpuBackend, NoProgress, Nvfp4Coverage, Pipeline, QuantizeOptions, Recipe, Report, Sample,
+    Smoothing,
 };
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {
@@ -128,6 +131,44 @@ fn nvfp4_on_tiny_sala_search_is_never_worse_than_max_calibration() {
     // 0.26 measured on the random-weight fixture.
     let rel = logits_relative_error(&model, &dir.path().join("nvfp4"), &options);
     assert!(rel < 0.35, "relative logits error {rel}");
+}
+
+#[test]
+fn the_alpha_search_reports_one_grid_alpha_per_group_and_verifies() {
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    for recipe in [Recipe::Gptq, Recipe::Nvfp4] {
+        let mut options = QuantizeOptions::new(recipe);
+        options.smoothing = Some(Smoothing::Searched(AlphaGrid::DEFAULT));
+        let out = dir.path().join(format!("{recipe:?}"));
+        let report = quantize(&model, options.clone(), &out);
+        assert!(
+            report.verify_summary.starts_with("verified ok"),
+            "{}",
+            report.verify_summary
+        );
+        let grid: Vec<f32> = AlphaGrid::DEFAULT.alphas().collect();
+        // The readers of one input (same layer, same smoothing range) share the group's α.
+        let mut by_range: BTreeMap<(usize, String), f32> = BTreeMap::new();
+        for l in &report.linears {
+            match (l.smooth_alpha, l.smooth_scale_range) {
+                (Some(alpha), Some((lo, hi))) => {
+                    assert!(
+                        grid.contains(&alpha),
+                        "{}: α {alpha} is off the grid",
+                        l.name
+                    );
+                    let layer = l.name.split('.').nth(2).unwrap().parse().unwrap();
+                    let key = (layer, format!("{lo}-{hi}"));
+                    assert_eq!(*by_range.entry(key).or_insert(alpha), alpha, "{}", l.name);
+                }
+                (None, None) => {}
+                other => panic!("{}: α and scale range disagree: {other:?}", l.name),
+            }
+        }
+        let rel = logits_relative_error(&model, &out, &options);
+        assert!(rel < 0.5, "{recipe:?}: relative logits error {rel}");
+    }
 }
 
 #[test]
