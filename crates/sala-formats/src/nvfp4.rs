@@ -151,6 +151,33 @@ impl Nvfp4Matrix {
         })
     }
 
+    /// A matrix from its unpacked E2M1 codes `[rows, cols]` (each at most 15) and E4M3 block
+    /// scale bytes `[rows, cols/16]`: for solvers whose codes are not those of rounding a
+    /// given weight (GPTQ).
+    pub fn from_codes(
+        codes: &[u8],
+        rows: usize,
+        cols: usize,
+        global_scale: f32,
+        block_scales: Vec<u8>,
+    ) -> Result<Self, FormatError> {
+        check_matrix("codes", codes.len(), rows, cols)?;
+        check_divisible("cols", cols, NVFP4_BLOCK)?;
+        check_global_scale(global_scale)?;
+        check_len(
+            "block scales",
+            block_scales.len(),
+            rows * cols / NVFP4_BLOCK,
+        )?;
+        Ok(Self {
+            rows,
+            cols,
+            packed: pack_e2m1(codes)?,
+            block_scales,
+            global_scale,
+        })
+    }
+
     /// The unpacked E2M1 codes, `[rows, cols]`.
     pub fn codes(&self) -> Vec<u8> {
         unpack_e2m1(&self.packed)
@@ -284,6 +311,26 @@ mod tests {
         assert!(matches!(
             Nvfp4Matrix::quantize(&w, 2, 32, 1.0, BlockScales::Max),
             Err(FormatError::NonFinite { row: 1, col: 8, .. })
+        ));
+    }
+
+    #[test]
+    fn a_matrix_from_its_codes_is_the_quantized_one() {
+        let w: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let g = global_scale_from_amax(3.0).unwrap();
+        let m = Nvfp4Matrix::quantize(&w, 2, 32, g, BlockScales::Max).unwrap();
+        let rebuilt = Nvfp4Matrix::from_codes(&m.codes(), 2, 32, g, m.block_scales.clone());
+        assert_eq!(rebuilt.unwrap(), m);
+        let scales = m.block_scales.clone();
+        let mut codes = m.codes();
+        assert!(matches!(
+            Nvfp4Matrix::from_codes(&codes, 2, 32, g, scales[..3].to_vec()),
+            Err(FormatError::LengthMismatch { .. })
+        ));
+        codes[7] = 16;
+        assert!(matches!(
+            Nvfp4Matrix::from_codes(&codes, 2, 32, g, scales),
+            Err(FormatError::CodeOutOfRange { index: 7, .. })
         ));
     }
 }

@@ -209,7 +209,7 @@ impl Nvfp4BlockSearch {
 
     /// The best byte of one block and its error. Consecutive candidates often round to the
     /// same E4M3 byte; those are evaluated once (a repeat cannot be strictly better).
-    fn best_scale(&self, block: &[f32], h: &[f32], global_scale: f32) -> (u8, f32) {
+    pub(crate) fn best_scale(&self, block: &[f32], h: &[f32], global_scale: f32) -> (u8, f32) {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let mut best = (0u8, f32::INFINITY);
         let mut previous = None;

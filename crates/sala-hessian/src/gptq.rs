@@ -159,13 +159,14 @@ impl ColumnProblem<'_> {
     }
 }
 
-/// The column loop's output, in loop order.
+/// The column loop's output, in loop order. `P` is the grid's parameter of one row's group
+/// (an integer grid's [`QuantParams`], an NVFP4 block's E4M3 scale byte).
 #[derive(Debug, Clone, PartialEq)]
-pub struct ColumnSolution {
+pub struct ColumnSolution<P = QuantParams> {
     /// Codes, `[out, inp]`.
     pub codes: Vec<u8>,
     /// Dynamic group parameters `[out, groups]` (unused with static groups).
-    pub params_rows: Vec<QuantParams>,
+    pub params_rows: Vec<P>,
     /// `Σ_rows (w − q)²/(2·U[c,c]²)` of each column, `[inp]`.
     pub column_loss: Vec<f64>,
 }
@@ -177,46 +178,114 @@ impl ColumnSolution {
             scale: 1.0,
             zero: 0,
         };
+        ColumnSolution::filled(problem.out, problem.inp, problem.groups(), placeholder)
+    }
+}
+
+impl<P: Copy> ColumnSolution<P> {
+    /// All codes 0, every group's parameter `placeholder`, no loss.
+    pub(crate) fn filled(out: usize, inp: usize, groups: usize, placeholder: P) -> Self {
         Self {
-            codes: vec![0; problem.out * problem.inp],
-            params_rows: vec![placeholder; problem.out * problem.groups()],
-            column_loss: vec![0.0; problem.inp],
+            codes: vec![0; out * inp],
+            params_rows: vec![placeholder; out * groups],
+            column_loss: vec![0.0; inp],
         }
     }
 }
 
-/// One column of one row: parameters at a group start, code, error `e = (w − q)/d` and loss
-/// `(w − q)²/(2d²)`. `w_row` holds the row's error-updated weights (at least up to the end of
-/// the current group).
+/// What GPTQ's column loop needs of a grid: the problem's shape and factor, and how one
+/// weight is rounded (the integer grids of [`ColumnProblem`], NVFP4's blocks in
+/// [`crate::nvfp4_gptq`]). The loops ([`BlockedLoop`], the textbook one in [`crate::reference`])
+/// are written once against it.
+pub(crate) trait ColumnGrid: Sync {
+    /// A group's parameter in one row.
+    type Param: Copy + Send + Sync;
+    /// Output rows.
+    fn out(&self) -> usize;
+    /// Input columns.
+    fn inp(&self) -> usize;
+    /// Groups (parameters) per row.
+    fn groups(&self) -> usize;
+    /// The parameters a solution starts from.
+    fn placeholder(&self) -> Self::Param;
+    /// `U`, `[inp, inp]`.
+    fn upper(&self) -> MatRef<'_, f32>;
+    /// The code and the dequantized value of `w_row[c]` (row `r`), setting the row's group
+    /// parameter at a group start. `w_row` holds the row's error-updated weights, at least up
+    /// to the end of the current group.
+    fn round(&self, r: usize, c: usize, w_row: &[f32], params_row: &mut [Self::Param])
+        -> (u8, f32);
+}
+
+impl ColumnGrid for ColumnProblem<'_> {
+    type Param = QuantParams;
+
+    fn out(&self) -> usize {
+        self.out
+    }
+
+    fn inp(&self) -> usize {
+        self.inp
+    }
+
+    fn groups(&self) -> usize {
+        ColumnProblem::groups(self)
+    }
+
+    fn placeholder(&self) -> QuantParams {
+        QuantParams {
+            scale: 1.0,
+            zero: 0,
+        }
+    }
+
+    fn upper(&self) -> MatRef<'_, f32> {
+        self.upper
+    }
+
+    #[inline]
+    fn round(
+        &self,
+        r: usize,
+        c: usize,
+        w_row: &[f32],
+        params_row: &mut [QuantParams],
+    ) -> (u8, f32) {
+        let gs = self.group_size;
+        let p = match self.static_groups {
+            Some((params, group_of)) => params[r * ColumnProblem::groups(self) + group_of[c]],
+            None => {
+                if c % gs == 0 {
+                    let end = (c + gs).min(self.inp);
+                    let values = &w_row[c..end];
+                    params_row[c / gs] = match self.clip {
+                        None => self.quantizer.params_for(values),
+                        Some((search, diag)) => {
+                            search.params(&self.quantizer, values, Some(&diag[c..end]))
+                        }
+                    };
+                }
+                params_row[c / gs]
+            }
+        };
+        let code = self.quantizer.quantize(w_row[c], p);
+        (code, IntQuantizer::dequantize(code, p))
+    }
+}
+
+/// One column of one row: the grid's code, error `e = (w − q)/d` and loss `(w − q)²/(2d²)`
+/// with `d = U[c, c]`.
 #[inline]
-pub(crate) fn quantize_column(
-    problem: &ColumnProblem<'_>,
+pub(crate) fn quantize_column<G: ColumnGrid + ?Sized>(
+    grid: &G,
     r: usize,
     c: usize,
     w_row: &[f32],
-    params_row: &mut [QuantParams],
+    params_row: &mut [G::Param],
 ) -> (u8, f32, f64) {
-    let gs = problem.group_size;
-    let p = match problem.static_groups {
-        Some((params, group_of)) => params[r * problem.groups() + group_of[c]],
-        None => {
-            if c % gs == 0 {
-                let end = (c + gs).min(problem.inp);
-                let values = &w_row[c..end];
-                params_row[c / gs] = match problem.clip {
-                    None => problem.quantizer.params_for(values),
-                    Some((search, diag)) => {
-                        search.params(&problem.quantizer, values, Some(&diag[c..end]))
-                    }
-                };
-            }
-            params_row[c / gs]
-        }
-    };
+    let (code, q) = grid.round(r, c, w_row, params_row);
     let w = w_row[c];
-    let code = problem.quantizer.quantize(w, p);
-    let q = IntQuantizer::dequantize(code, p);
-    let d = problem.upper[(c, c)];
+    let d = grid.upper()[(c, c)];
     let diff = (w - q) as f64;
     let loss = diff * diff / (2.0 * d as f64 * d as f64);
     (code, (w - q) / d, loss)
@@ -225,17 +294,17 @@ pub(crate) fn quantize_column(
 /// Inner blocks per outer block. Inner blocks update the columns up to the end of their outer
 /// block; the columns after it get one GEMM of depth `OUTER_BLOCKS · block`, which moves
 /// `OUTER_BLOCKS` times less memory per flop than one update per inner block.
-const OUTER_BLOCKS: usize = 8;
+pub(crate) const OUTER_BLOCKS: usize = 8;
 
 /// The lazy-block loop. `w` is `[out, inp]` in loop order and is overwritten.
-fn blocked_loop(
-    problem: &ColumnProblem<'_>,
+pub(crate) fn blocked_loop<G: ColumnGrid>(
+    problem: &G,
     w: &mut [f32],
     block: usize,
     outer: usize,
-) -> ColumnSolution {
-    let (out, inp) = (problem.out, problem.inp);
-    let mut sol = ColumnSolution::new(problem);
+) -> ColumnSolution<G::Param> {
+    let (out, inp) = (problem.out(), problem.inp());
+    let mut sol = ColumnSolution::filled(out, inp, problem.groups(), problem.placeholder());
     let mut o1 = 0;
     while o1 < inp {
         let o2 = (o1 + outer).min(inp);
@@ -266,20 +335,21 @@ struct ErrorBlock {
 
 /// Quantizes the columns `span` of every row (in parallel over rows), applying each column's
 /// error to the later columns of the span at once.
-fn solve_block(
-    problem: &ColumnProblem<'_>,
+fn solve_block<G: ColumnGrid>(
+    problem: &G,
     w: &mut [f32],
-    sol: &mut ColumnSolution,
+    sol: &mut ColumnSolution<G::Param>,
     err: &mut ErrorBlock,
     span: Range<usize>,
 ) {
     let (i1, i2, bsz) = (span.start, span.end, span.len());
-    let (inp, groups) = (problem.inp, problem.groups());
+    let (inp, groups) = (problem.inp(), problem.groups().max(1));
+    let upper = problem.upper();
     let u_block: Vec<f32> = (0..bsz * bsz)
-        .map(|k| problem.upper[(i1 + k / bsz, i1 + k % bsz)])
+        .map(|k| upper[(i1 + k / bsz, i1 + k % bsz)])
         .collect();
     let e_offset = i1 - err.first_col;
-    let mut loss = vec![0.0f64; problem.out * bsz];
+    let mut loss = vec![0.0f64; problem.out() * bsz];
     (
         w.par_chunks_mut(inp),
         sol.codes.par_chunks_mut(inp),
@@ -310,8 +380,8 @@ fn solve_block(
 }
 
 /// `W[:, cols] -= Err[:, rows] · U[rows, cols]`: one faer GEMM.
-fn subtract_update(
-    problem: &ColumnProblem<'_>,
+fn subtract_update<G: ColumnGrid>(
+    problem: &G,
     w: &mut [f32],
     err: &ErrorBlock,
     rows: Range<usize>,
@@ -320,7 +390,7 @@ fn subtract_update(
     if cols.is_empty() {
         return;
     }
-    let (out, inp) = (problem.out, problem.inp);
+    let (out, inp) = (problem.out(), problem.inp());
     // Row-major view of W[:, cols] (built as the transpose of a column-major view:
     // faer 0.24.4's `from_row_major_slice_with_stride_mut` swaps the two strides).
     let dst =
@@ -333,7 +403,7 @@ fn subtract_update(
         err.cols,
     );
     let rhs = problem
-        .upper
+        .upper()
         .submatrix(rows.start, cols.start, rows.len(), cols.len());
     matmul(dst, Accum::Add, lhs, rhs, -1.0f32, Par::rayon(0));
     sala_cpu::clear_upper_state_everywhere();
@@ -341,7 +411,12 @@ fn subtract_update(
 
 /// The block length actually used: shortened so that a group never starts inside a block and
 /// ends beyond it (there its parameters would miss the block's pending updates).
-fn effective_block(block: usize, group_size: usize, inp: usize, static_groups: bool) -> usize {
+pub(crate) fn effective_block(
+    block: usize,
+    group_size: usize,
+    inp: usize,
+    static_groups: bool,
+) -> usize {
     if static_groups || group_size >= inp || block % group_size == 0 {
         block
     } else if group_size < block {

@@ -9,6 +9,7 @@
 //! - [`gptq`]: the GPTQ solver (lazy blocks, groups, act-order, static groups);
 //! - [`rtn`]: round-to-nearest with the same outputs (baseline and fallback);
 //! - [`block_search`]: the NVFP4 E4M3 block-scale search weighted by the diagonal Hessian;
+//! - [`nvfp4_gptq`]: GPTQ on the NVFP4 grid (block scales searched as the loop reaches them);
 //! - [`solver`]: the seam a pipeline solves through ([`LinearSolver`]; [`CpuSolver`] runs
 //!   the solvers above, a GPU implementation plugs in);
 //! - [`layout`]: square matrices between row-major buffers and faer, tiled and parallel;
@@ -25,6 +26,7 @@ pub mod gptq;
 pub mod hessian;
 pub mod inverse;
 pub mod layout;
+pub mod nvfp4_gptq;
 mod quantized;
 pub mod reference;
 pub mod rtn;
@@ -44,6 +46,7 @@ pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
 pub use inverse::{CholeskyInverse, Damping, FaerFactorizer, UpperFactorizer};
+pub use nvfp4_gptq::{Nvfp4Gptq, Nvfp4GptqResult};
 pub use quantized::{IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{ClipSearch, IntScheme, QuantParams};

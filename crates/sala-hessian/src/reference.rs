@@ -6,7 +6,8 @@
 //! - [`inverse_upper_textbook`]: IST-DASLab's `chol(cholesky_inverse(chol(H)), upper)`;
 //! - [`hessian_naive`]: `Σ XᵀX` by a triple loop in f64;
 //! - [`nvfp4_block_search_naive`]: every candidate of every block, one thread;
-//! - [`gptq_column_loop`]: only the sequential column loop, on prepared `(W, U)`.
+//! - [`gptq_column_loop`]: only the sequential column loop, on prepared `(W, U)`;
+//! - [`nvfp4_gptq_sequential`]: GPTQ on the NVFP4 grid one column at a time.
 
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
@@ -17,7 +18,7 @@ use sala_formats::{IntQuantizer, QuantParams, NVFP4_BLOCK};
 use crate::block_search::{block_error, encode_into, Nvfp4BlockSearch, Nvfp4SearchResult};
 use crate::error::HessianError;
 use crate::gptq::{
-    quantize_column, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig,
+    quantize_column, ColumnGrid, ColumnProblem, ColumnSolution, Gptq, GptqColumnLoop, GptqConfig,
 };
 use crate::hessian::{Hessian, Normalization};
 use crate::inverse::{dead_columns, diagonal_f64, mean_fixed_diagonal};
@@ -112,10 +113,13 @@ pub fn gptq_column_loop(
 
 /// The column loop one column at a time: quantize column `c`, then subtract
 /// `e · U[c, c+1..]` from the rest of the row immediately.
-pub(crate) fn sequential_loop(problem: &ColumnProblem<'_>, w: &mut [f32]) -> ColumnSolution {
-    let (out, inp) = (problem.out, problem.inp);
-    let groups = problem.groups();
-    let mut sol = ColumnSolution::new(problem);
+pub(crate) fn sequential_loop<G: ColumnGrid>(
+    problem: &G,
+    w: &mut [f32],
+) -> ColumnSolution<G::Param> {
+    let (out, inp, groups) = (problem.out(), problem.inp(), problem.groups());
+    let upper = problem.upper();
+    let mut sol = ColumnSolution::filled(out, inp, groups, problem.placeholder());
     for r in 0..out {
         let w_row = &mut w[r * inp..(r + 1) * inp];
         let params_row = &mut sol.params_rows[r * groups..(r + 1) * groups];
@@ -124,7 +128,7 @@ pub(crate) fn sequential_loop(problem: &ColumnProblem<'_>, w: &mut [f32]) -> Col
             sol.codes[r * inp + c] = code;
             sol.column_loss[c] += loss;
             for (j, wj) in w_row.iter_mut().enumerate().skip(c + 1) {
-                *wj -= e * problem.upper[(c, j)];
+                *wj -= e * upper[(c, j)];
             }
         }
     }
@@ -264,4 +268,40 @@ pub fn nvfp4_block_search_naive(
         );
     }
     Ok(result)
+}
+
+/// [`crate::Nvfp4Gptq::solve`] one column at a time (every update applied at once, one
+/// thread), from the same factor and grid: returns the E2M1 codes `[rows, cols]` and the E4M3
+/// block scales `[rows, cols/16]`. Errors as the solver's; no fallback.
+pub fn nvfp4_gptq_sequential<T: HessianScalar>(
+    solver: &crate::Nvfp4Gptq,
+    weights: &[f32],
+    rows: usize,
+    cols: usize,
+    h: &Hessian<T>,
+    global_scale: f32,
+) -> Result<(Vec<u8>, Vec<u8>), HessianError> {
+    crate::quantized::check_weights(weights, rows, cols, Some(h.dim()))?;
+    let diag: Vec<f32> = diagonal_f64(h).iter().map(|&d| d.max(0.0) as f32).collect();
+    let channel_weights = solver.search.channel_weights(cols, &diag, global_scale)?;
+    let natural: Vec<usize> = (0..cols).collect();
+    let inverse = crate::CholeskyInverse::with_order(h, &natural, &solver.damping)?;
+    let mut w = weights.to_vec();
+    for row in w.chunks_exact_mut(cols) {
+        for (v, &dead) in row.iter_mut().zip(inverse.dead()) {
+            if dead {
+                *v = 0.0;
+            }
+        }
+    }
+    let grid = crate::nvfp4_gptq::Nvfp4Columns {
+        rows,
+        cols,
+        upper: inverse.upper(),
+        search: &solver.search,
+        channel_weights: &channel_weights,
+        global_scale,
+    };
+    let sol = sequential_loop(&grid, &mut w);
+    Ok((sol.codes, sol.params_rows))
 }

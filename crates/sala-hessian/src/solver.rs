@@ -8,8 +8,8 @@
 //! f32. Packing, smoothing, global scales and reports stay in the pipeline.
 
 use crate::{
-    Gptq, GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4SearchResult,
-    QuantizedLinear, Rtn,
+    Gptq, GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult,
+    Nvfp4SearchResult, QuantizedLinear, Rtn,
 };
 
 /// Quantizes one linear from its host weights and statistics.
@@ -55,6 +55,21 @@ pub trait LinearSolver {
         diag_h: &[f32],
         global_scale: f32,
     ) -> Result<Nvfp4SearchResult, HessianError>;
+
+    /// GPTQ on the NVFP4 grid of `weights` `[rows, cols]` with the smoothed Hessian `h`
+    /// `[cols, cols]` and the tensor's (or fused group's) `global_scale`: what
+    /// [`Nvfp4Gptq::solve`] returns. Default: the host's loop (no device implements it yet).
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &Hessian<f64>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        solver.solve(weights, rows, cols, h, global_scale)
+    }
 }
 
 /// The host solvers of `sala-hessian` (faer + rayon): the reference and the default.

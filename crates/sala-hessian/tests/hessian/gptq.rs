@@ -355,16 +355,6 @@ fn rank_deficient_hessian_triggers_retries_and_succeeds() {
     assert!(result.loss.is_finite() && result.proxy_error.unwrap().is_finite());
 }
 
-fn indefinite_hessian(inp: usize) -> Hessian<f64> {
-    let mut h = vec![0.0f64; inp * inp];
-    for i in 0..inp {
-        h[i * inp + i] = 1.0;
-    }
-    h[1] = 50.0; // eigenvalues 1 ± 50 in the leading 2×2 block
-    h[inp] = 50.0;
-    Hessian::from_row_major(inp, &h).unwrap()
-}
-
 #[test]
 fn failed_inverse_is_an_error_or_an_rtn_fallback() {
     let (out, inp) = (4, 32);

@@ -5,3 +5,4 @@ mod block_search;
 mod common;
 mod gptq;
 mod hessian;
+mod nvfp4_gptq;

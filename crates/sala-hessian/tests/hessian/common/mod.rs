@@ -87,3 +87,15 @@ pub fn proxy_naive(w: &[f32], q: &[f32], inp: usize, h: &[f64]) -> f64 {
         })
         .sum()
 }
+
+/// A symmetric `[inp, inp]` matrix with a negative eigenvalue (`1 − 50` in its leading 2×2
+/// block): no damping of the schedule makes it factorable.
+pub fn indefinite_hessian(inp: usize) -> Hessian<f64> {
+    let mut h = vec![0.0f64; inp * inp];
+    for i in 0..inp {
+        h[i * inp + i] = 1.0;
+    }
+    h[1] = 50.0;
+    h[inp] = 50.0;
+    Hessian::from_row_major(inp, &h).unwrap()
+}
