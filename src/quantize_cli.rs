@@ -14,8 +14,8 @@ use sala_gptq::plan::LoaderTarget;
 use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
     LayerBits, LayerFootprint, LayerReport, LinearSolver, MemoryPlan, MemoryProbe, Nvfp4Coverage,
-    Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample, Smoothing,
-    Stage, StagedRun,
+    Nvfp4Solver, Pipeline, Progress, QuantPlan, QuantizeOptions, Recipe, ResidentSolver, Sample,
+    Smoothing, Stage, StagedRun,
 };
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -153,6 +153,12 @@ pub struct Args {
     /// NVFP4 search: error norm p in Σ|w − q|^p · E[x²].
     #[arg(long, default_value_t = 2.0)]
     mse_error_norm: f32,
+    /// NVFP4 solver: `search` rounds each block with its searched scale; `gptq` runs GPTQ on
+    /// the FP4 grid (the same search at each block, errors spread with the full Hessian;
+    /// `--damp` and `--rtn-fallback` apply). GPTQ keeps a full Hessian per input,
+    /// as the GPTQ recipe does.
+    #[arg(long, value_enum, default_value_t = Nvfp4SolverArg::Search)]
+    nvfp4_solver: Nvfp4SolverArg,
     /// Samples at or beyond this many tokens are refused (minicpm4 layers run dense attention
     /// below it; the original scripts' override is 655360).
     #[arg(long, default_value_t = 655360)]
@@ -227,6 +233,15 @@ pub struct Args {
 }
 
 /// `--recipe`.
+/// `--nvfp4-solver`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Nvfp4SolverArg {
+    /// The block-scale search, then round to nearest.
+    Search,
+    /// GPTQ on the FP4 grid.
+    Gptq,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum RecipeArg {
     Gptq,
@@ -340,7 +355,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         say(&plan)?;
         // The memory plan needs the samples' lengths: tokenizing is the only work done.
         let (calib, _) = load_calibration(&args, &input, &config, &calib_path)?;
-        if let Some(memory) = memory_plan(&args, recipe, &config, &options, &calib, &calib_path)? {
+        if let Some(memory) = memory_plan(&args, &config, &options, &calib, &calib_path)? {
             say(memory)?;
         }
         return Ok(());
@@ -385,7 +400,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         &[&calib_path, &input],
     )?;
     let (calib, stats) = load_calibration(&args, &input, &config, &calib_path)?;
-    let memory = memory_plan(&args, recipe, &config, &options, &calib, &calib_path)?;
+    let memory = memory_plan(&args, &config, &options, &calib, &calib_path)?;
     if let Some(memory) = &memory {
         options.pack_tokens = memory.pack_tokens;
         if args.device == DeviceArg::Cuda {
@@ -686,7 +701,6 @@ fn load_calibration(
 /// Refuses a sample too long for the budget, naming its calibration line.
 fn memory_plan(
     args: &Args,
-    recipe: Recipe,
     config: &SalaConfig,
     options: &QuantizeOptions,
     calib: &CalibSet,
@@ -701,7 +715,8 @@ fn memory_plan(
         Numerics::Bf16Storage => 2,
         _ => 4,
     };
-    let footprint = LayerFootprint::estimate(config, recipe, elem, options.run.mlp_rows);
+    let footprint =
+        LayerFootprint::estimate(config, options.statistics(), elem, options.run.mlp_rows);
     let lengths: Vec<usize> = calib.samples.iter().map(|s| s.ids.len()).collect();
     let device_hidden = args.device == DeviceArg::Cuda;
     MemoryPlan::new(
@@ -724,7 +739,7 @@ fn memory_plan(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 41] = [
+    let flags: [(&str, String); 42] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -756,6 +771,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--mse-iters", a.mse_iters.to_string()),
         ("--mse-max-shrink", a.mse_max_shrink.to_string()),
         ("--mse-error-norm", a.mse_error_norm.to_string()),
+        ("--nvfp4-solver", format!("{:?}", a.nvfp4_solver)),
         ("--dense-len", a.dense_len.to_string()),
         ("--f32", a.f32.to_string()),
         ("--device", format!("{:?}", a.device)),
@@ -877,6 +893,10 @@ fn options_from(
         iters: args.mse_iters,
         max_shrink: args.mse_max_shrink,
         error_norm: args.mse_error_norm,
+    };
+    options.nvfp4_solver = match args.nvfp4_solver {
+        Nvfp4SolverArg::Search => Nvfp4Solver::BlockSearch,
+        Nvfp4SolverArg::Gptq => Nvfp4Solver::Gptq,
     };
     options.smoothing = (!args.no_smooth).then_some(match args.smooth_alpha {
         SmoothAlphaArg::Fixed(alpha) => Smoothing::Fixed(alpha),

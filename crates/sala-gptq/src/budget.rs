@@ -38,23 +38,47 @@ pub struct LayerFootprint {
     pub per_longest_token: u64,
 }
 
+/// Which statistics of each layer input a run accumulates (and keeps for its solve).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Statistics {
+    /// A full Hessian per input (GPTQ).
+    Hessians,
+    /// Channel statistics per input (NVFP4's block search).
+    Channels,
+    /// Both (NVFP4 with GPTQ).
+    HessiansAndChannels,
+}
+
+impl From<Recipe> for Statistics {
+    /// The recipe's default solver's statistics.
+    fn from(recipe: Recipe) -> Self {
+        match recipe {
+            Recipe::Gptq => Statistics::Hessians,
+            Recipe::Nvfp4 => Statistics::Channels,
+        }
+    }
+}
+
 impl LayerFootprint {
-    /// The footprint of `config`'s layers under `recipe` with hidden states of `elem` bytes
+    /// The footprint of `config`'s layers accumulating `statistics` with hidden states of `elem` bytes
     /// per value (2 under bf16 storage, 4 in f32), the MLP run `mlp_rows` rows at a time
     /// ([`RunOptions::mlp_rows`](sala_model::RunOptions)) or a whole pack at once (`None`).
     pub fn estimate(
         config: &SalaConfig,
-        recipe: Recipe,
+        statistics: impl Into<Statistics>,
         elem: u64,
         mlp_rows: Option<usize>,
     ) -> Self {
+        let statistics = statistics.into();
         let layers = 0..config.num_layers();
         let per_token = layers
             .clone()
             .map(|l| per_token_of(config, config.layer_kind(l), elem, mlp_rows.is_some()))
             .max()
             .unwrap_or(0);
-        let stages: Vec<(u64, u64)> = layers.map(|l| fixed_of(config, l, recipe, elem)).collect();
+        let stages: Vec<(u64, u64)> = layers
+            .map(|l| fixed_of(config, l, statistics, elem))
+            .collect();
         let head_dim = config.attention_heads().head_dim as u64;
         // One chunk's gate, up and SwiGLU product, its down_proj output and residual sum.
         let (h, inter) = (
@@ -113,7 +137,7 @@ fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64, chunked: bool) 
 /// Fixed bytes of layer `layer` while its packs run (its weights in the storage dtype and the
 /// statistics of its inputs), and the bytes of its solve (the statistics and the solver's
 /// work on its largest linear).
-fn fixed_of(config: &SalaConfig, layer: usize, recipe: Recipe, elem: u64) -> (u64, u64) {
+fn fixed_of(config: &SalaConfig, layer: usize, statistics: Statistics, elem: u64) -> (u64, u64) {
     let specs = config.linear_specs(layer);
     let weights: u64 = config
         .layer_tensor_specs(layer)
@@ -137,20 +161,19 @@ fn fixed_of(config: &SalaConfig, layer: usize, recipe: Recipe, elem: u64) -> (u6
         .max()
         .unwrap_or(0);
     let f32 = 4;
-    match recipe {
-        Recipe::Gptq => {
-            // One f32 Hessian per input group. The solve: the factorisation's three square
-            // buffers and a smoothing rescale of the widest; weights, codes, errors and the
-            // proxy's two buffers of the largest linear.
-            let hessians: u64 = widths.iter().map(|d| d * d * f32).sum();
-            let solve = hessians + 4 * widest * widest * f32 + 5 * largest * f32;
-            (weights + hessians, solve)
-        }
-        Recipe::Nvfp4 => {
-            // The channel sums' row chunks (three f32 copies); the search's weights and codes
-            // of the largest linear with its block scales and errors.
-            (weights + 3 * DIAGONAL_CHUNK_BYTES as u64, 3 * largest * f32)
-        }
+    // One f32 Hessian per input group. The solve: the factorisation's three square buffers
+    // and a smoothing rescale of the widest; weights, codes, errors and the proxy's two
+    // buffers of the largest linear.
+    let hessians: u64 = widths.iter().map(|d| d * d * f32).sum();
+    let gptq_solve = hessians + 4 * widest * widest * f32 + 5 * largest * f32;
+    // The channel sums' row chunks (three f32 copies); the search's weights and codes of the
+    // largest linear with its block scales and errors.
+    let channel_chunks = 3 * DIAGONAL_CHUNK_BYTES as u64;
+    let search_solve = 3 * largest * f32;
+    match statistics {
+        Statistics::Hessians => (weights + hessians, gptq_solve),
+        Statistics::Channels => (weights + channel_chunks, search_solve),
+        Statistics::HessiansAndChannels => (weights + hessians + channel_chunks, gptq_solve),
     }
 }
 

@@ -5,12 +5,13 @@
 //! produce the next layer's inputs (the original scripts' quantized-input propagation).
 
 use crate::alpha_search::round_to_nearest_error;
+use crate::budget::Statistics;
 use crate::error::PipelineError;
 use crate::hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
 use crate::options::{QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
-use crate::plan::{PlannedLinear, QuantPlan, Recipe, Treatment};
+use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
 use crate::resident::ResidentSolver;
@@ -21,7 +22,7 @@ use burn::tensor::Tensor;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
-use sala_hessian::{ChannelStats, Gptq, Hessian, IntGrid, Method};
+use sala_hessian::{Gptq, Hessian, IntGrid, Method};
 use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
     SalaConfig,
@@ -553,9 +554,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
 
     /// The statistics the recipe's solver needs: `XᵀX` for GPTQ, per-channel for NVFP4.
     fn stats_kind(&self) -> StatsKind {
-        match self.plan.recipe {
-            Recipe::Gptq => StatsKind::Full,
-            Recipe::Nvfp4 => StatsKind::Diagonal,
+        match self.options.statistics() {
+            Statistics::Hessians => StatsKind::Full,
+            Statistics::Channels => StatsKind::Diagonal,
+            Statistics::HessiansAndChannels => StatsKind::FullAndChannels,
         }
     }
 
@@ -768,10 +770,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 | (Treatment::Int { bits, group_size }, h @ Finalized::DeviceFull(_)) => {
                     self.solve_gptq(&linear, *bits, *group_size, &mut w.data, h, &mut report)?
                 }
-                (Treatment::Nvfp4, Finalized::Diagonal(s)) => {
+                (Treatment::Nvfp4, stats @ Finalized::Diagonal(_))
+                | (Treatment::Nvfp4, stats @ Finalized::FullAndChannels(..)) => {
                     let global = fused_scales[&linear.name];
-                    let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
-                    self.solve_nvfp4(&linear, &mut w.data, s, global, act_amax, &mut report)?
+                    self.solve_nvfp4(&linear, &mut w.data, stats, global, &mut report)?
                 }
                 _ => {
                     return Err(PipelineError::Unsupported(format!(
@@ -863,9 +865,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         &self,
         linear: &PlannedLinear,
         w: &mut [f32],
-        stats: &ChannelStats,
+        stats: &Finalized<B>,
         global: f32,
-        act_amax: f32,
         report: &mut LinearReport,
     ) -> Result<SolvedLinear, PipelineError> {
         let (out, inp) = (linear.out_features, linear.in_features);
@@ -873,22 +874,44 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             linear: linear.name.clone(),
             source,
         };
-        let diag: Vec<f32> = stats.mean_square.iter().map(|&d| d as f32).collect();
-        let search = self
-            .solver
-            .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
-            .map_err(|source| PipelineError::Solve {
-                linear: linear.name.clone(),
-                source,
-            })?;
-        let matrix = Nvfp4Matrix::quantize(
-            w,
-            out,
-            inp,
-            global,
-            BlockScales::Given(&search.block_scales),
-        )
-        .map_err(format_err)?;
+        let solve_err = |source| PipelineError::Solve {
+            linear: linear.name.clone(),
+            source,
+        };
+        let s = stats.channels().ok_or_else(|| {
+            PipelineError::Unsupported(format!("{}: no channel statistics", linear.name))
+        })?;
+        let diag: Vec<f32> = s.mean_square.iter().map(|&d| d as f32).collect();
+        let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
+        let matrix = match stats.host_hessian(&linear.name)? {
+            // GPTQ on the FP4 grid: its codes are not those of rounding `w`, so the matrix is
+            // built from them.
+            Some(h) => {
+                let q = self
+                    .solver
+                    .solve_nvfp4_gptq(&self.options.nvfp4_gptq(), w, out, inp, &h, global)
+                    .map_err(solve_err)?;
+                report.gptq_loss = Some(q.loss);
+                report.damping_retries = q.damping_retries;
+                report.rtn_fallback = q.method == Method::RtnFallback;
+                Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
+                    .map_err(format_err)?
+            }
+            None => {
+                let search = self
+                    .solver
+                    .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
+                    .map_err(solve_err)?;
+                Nvfp4Matrix::quantize(
+                    w,
+                    out,
+                    inp,
+                    global,
+                    BlockScales::Given(&search.block_scales),
+                )
+                .map_err(format_err)?
+            }
+        };
         if self.options.compare_rtn {
             let max =
                 Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max).map_err(format_err)?;

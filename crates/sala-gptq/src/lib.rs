@@ -52,12 +52,14 @@ pub mod smoothing;
 mod stats;
 pub mod synthetic;
 
-pub use budget::{BudgetError, LayerFootprint, MemoryPlan};
+pub use budget::{BudgetError, LayerFootprint, MemoryPlan, Statistics};
 pub use engine::{EngineTotals, LayerEngine, MemoryProbe, Sample};
 pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
-pub use options::{GptqOptions, QuantizeOptions, Smoothing, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS};
+pub use options::{
+    GptqOptions, Nvfp4Solver, QuantizeOptions, Smoothing, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS,
+};
 pub use packing::pack_samples;
 pub use pipeline::{Pipeline, StagedRun};
 pub use plan::{

@@ -1,9 +1,11 @@
 //! Everything a quantization run is told, with the original scripts' defaults.
 
+use crate::budget::Statistics;
 use crate::error::PlanError;
 use crate::plan::{PlanOptions, QuantPlan, Recipe, Treatment};
 use sala_hessian::{
     ClipSearch, Damping, FailurePolicy, Gptq, GptqConfig, IntGrid, IntScheme, Nvfp4BlockSearch,
+    Nvfp4Gptq,
 };
 use sala_model::{AttentionMode, Numerics, RunOptions};
 use sala_smooth::AlphaGrid;
@@ -104,6 +106,19 @@ pub enum Smoothing {
     Searched(AlphaGrid),
 }
 
+/// How the NVFP4 recipe quantizes a linear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Nvfp4Solver {
+    /// Each block's E4M3 scale searched on the weights, weighted by `diag(H)`, then round to
+    /// nearest (the original scripts' recipe; default).
+    #[default]
+    BlockSearch,
+    /// GPTQ on the NVFP4 grid: the same search at each block as the column loop reaches it,
+    /// and the rounding errors spread over the later columns with the full Hessian
+    /// ([`Nvfp4Gptq`]; damping, lazy block size and the RTN fallback from [`GptqOptions`]).
+    Gptq,
+}
+
 /// All options of a run.
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
@@ -113,6 +128,8 @@ pub struct QuantizeOptions {
     pub gptq: GptqOptions,
     /// Block-scale search (NVFP4 recipe): iterations, maximum shrink, error norm.
     pub nvfp4_search: Nvfp4BlockSearch,
+    /// The NVFP4 recipe's solver: the block search alone (default) or GPTQ on the FP4 grid.
+    pub nvfp4_solver: Nvfp4Solver,
     /// SmoothQuant and how its migration strength α is chosen; `None` turns smoothing off
     /// (default: a fixed α = 0.5).
     pub smoothing: Option<Smoothing>,
@@ -175,6 +192,7 @@ impl QuantizeOptions {
             plan: PlanOptions::new(recipe),
             gptq: GptqOptions::default(),
             nvfp4_search: Nvfp4BlockSearch::default(),
+            nvfp4_solver: Nvfp4Solver::BlockSearch,
             smoothing: Some(Smoothing::Fixed(0.5)),
             run: RunOptions {
                 numerics: Numerics::Bf16Rounding,
@@ -197,6 +215,27 @@ impl QuantizeOptions {
 }
 
 impl QuantizeOptions {
+    /// GPTQ on the NVFP4 grid with this run's block search and GPTQ damping, block size and
+    /// failure policy.
+    pub fn nvfp4_gptq(&self) -> Nvfp4Gptq {
+        Nvfp4Gptq {
+            search: self.nvfp4_search,
+            damping: self.gptq.damping,
+            block_size: self.gptq.block_size,
+            on_failure: self.gptq.failure_policy(),
+        }
+    }
+
+    /// Which statistics the run accumulates: full Hessians for GPTQ, channel statistics for
+    /// NVFP4's block search, both for NVFP4 with [`Nvfp4Solver::Gptq`].
+    pub fn statistics(&self) -> Statistics {
+        match (self.plan.recipe, self.nvfp4_solver) {
+            (Recipe::Gptq, _) => Statistics::Hessians,
+            (Recipe::Nvfp4, Nvfp4Solver::BlockSearch) => Statistics::Channels,
+            (Recipe::Nvfp4, Nvfp4Solver::Gptq) => Statistics::HessiansAndChannels,
+        }
+    }
+
     /// Refuses, before any compute, what could only fail later: a plan that quantizes nothing,
     /// a GPTQ bit width or grid `gptq_marlin` does not serve (the checkpoint is written for it),
     /// and solver or smoothing options out of range. `plan` is the plan built from
@@ -229,10 +268,18 @@ impl QuantizeOptions {
         }
         match self.plan.recipe {
             Recipe::Gptq => self.check_gptq(plan),
-            Recipe::Nvfp4 => self.nvfp4_search.validate().map_err(|e| PlanError::Option {
-                option: "--mse-iters / --mse-max-shrink / --mse-error-norm",
-                message: e.to_string(),
-            }),
+            Recipe::Nvfp4 => {
+                self.nvfp4_search
+                    .validate()
+                    .map_err(|e| PlanError::Option {
+                        option: "--mse-iters / --mse-max-shrink / --mse-error-norm",
+                        message: e.to_string(),
+                    })?;
+                self.nvfp4_gptq().validate().map_err(|e| PlanError::Option {
+                    option: "--damp / --block-size",
+                    message: e.to_string(),
+                })
+            }
         }
     }
 

@@ -146,7 +146,14 @@ pub(crate) fn fingerprint(
     for (name, value) in [
         ("options: plan", format!("{:?}", o.plan)),
         ("options: GPTQ", format!("{:?}", o.gptq)),
-        ("options: NVFP4 search", format!("{:?}", o.nvfp4_search)),
+        (
+            "options: NVFP4 search",
+            // The block search alone reads as it did before GPTQ on FP4 existed.
+            match o.nvfp4_solver {
+                crate::Nvfp4Solver::BlockSearch => format!("{:?}", o.nvfp4_search),
+                crate::Nvfp4Solver::Gptq => format!("{:?} in GPTQ", o.nvfp4_search),
+            },
+        ),
         (
             "options: smoothing alpha",
             // A fixed α reads as it did before the search existed, so those runs still resume.

@@ -19,6 +19,8 @@ pub(crate) enum StatsKind {
     Full,
     /// `E[x²]`, `E[|x|]`, `max|x|` per channel (NVFP4).
     Diagonal,
+    /// Both (NVFP4 with GPTQ: the Hessian for the solver, `max|x|` for the input scale).
+    FullAndChannels,
 }
 
 /// Running sums of one input's statistics. Every sample weighs the same
@@ -38,6 +40,8 @@ pub(crate) enum InputStats<B: Backend> {
         samples: u64,
         tokens: u64,
     },
+    /// A Hessian (`Full` or `DeviceFull`) and channel statistics of the same input.
+    Both(Box<InputStats<B>>, Box<InputStats<B>>),
 }
 
 impl<B: Backend> InputStats<B> {
@@ -50,6 +54,10 @@ impl<B: Backend> InputStats<B> {
         let zeros =
             |shape: [usize; 2], device: &B::Device| Tensor::zeros(shape, (device, DType::F32));
         Ok(match (kind, on_device) {
+            (StatsKind::FullAndChannels, _) => InputStats::Both(
+                Box::new(Self::new(StatsKind::Full, dim, on_device)?),
+                Box::new(Self::new(StatsKind::Diagonal, dim, on_device)?),
+            ),
             (StatsKind::Full, None) => {
                 // f32 chunk products, f64 sums: twice the GEMM rate of f64 products, and the
                 // rounding stays far below the damping (sala-hessian's tests bound it).
@@ -97,6 +105,10 @@ impl<B: Backend> InputStats<B> {
         rows: TapRows,
         fast: Option<&dyn FastOps<B>>,
     ) -> Result<(), (Option<usize>, String)> {
+        if let InputStats::Both(hessian, channels) = self {
+            hessian.add_pack(x, lengths, rows.clone(), fast)?;
+            return channels.add_pack(x, lengths, rows, fast);
+        }
         let [tokens, _] = x.dims();
         let pack: usize = lengths.iter().sum();
         if rows.len() != tokens || rows.end > pack {
@@ -142,6 +154,7 @@ impl<B: Backend> InputStats<B> {
                 *samples += starts as u64;
                 Ok(())
             }
+            InputStats::Both(..) => Ok(()),
             InputStats::DeviceDiagonal {
                 square,
                 abs,
@@ -169,6 +182,17 @@ impl<B: Backend> InputStats<B> {
         };
         let empty = || PipelineError::NoSamples(format!("no sample reached {input}"));
         Ok(match self {
+            InputStats::Both(hessian, channels) => {
+                let hessian = Box::new(hessian.finalize(input)?);
+                match channels.finalize(input)? {
+                    Finalized::Diagonal(channels) => Finalized::FullAndChannels(hessian, channels),
+                    _ => {
+                        return Err(PipelineError::Unsupported(format!(
+                            "{input}: channel statistics expected"
+                        )))
+                    }
+                }
+            }
             InputStats::Full(acc) => Finalized::Full(acc.finalize().map_err(err)?),
             InputStats::Diagonal(acc) => Finalized::Diagonal(acc.finalize().map_err(err)?),
             InputStats::DeviceFull { sum, samples } => {
@@ -314,6 +338,8 @@ pub(crate) enum Finalized<B: Backend> {
     DeviceFull(Tensor<B, 2>),
     /// Channel statistics (NVFP4).
     Diagonal(ChannelStats),
+    /// A Hessian (`Full` or `DeviceFull`) and the channel statistics (NVFP4 with GPTQ).
+    FullAndChannels(Box<Finalized<B>>, ChannelStats),
 }
 
 impl<B: Backend> Finalized<B> {
@@ -323,6 +349,7 @@ impl<B: Backend> Finalized<B> {
             Finalized::Full(h) => h.dim(),
             Finalized::DeviceFull(h) => h.dims()[0],
             Finalized::Diagonal(s) => s.mean_square.len(),
+            Finalized::FullAndChannels(h, _) => h.dim(),
         }
     }
 
@@ -336,6 +363,7 @@ impl<B: Backend> Finalized<B> {
                 .map(|d| rms(d as f64))
                 .collect(),
             Finalized::Diagonal(s) => s.mean_square.iter().map(|&d| rms(d)).collect(),
+            Finalized::FullAndChannels(h, _) => h.rms(),
         }
     }
 
@@ -369,15 +397,21 @@ impl<B: Backend> Finalized<B> {
                 let scaled = h.clone() * r.clone().reshape([n, 1]) * r.reshape([1, n]);
                 *h = scaled;
             }
-            Finalized::Diagonal(s) => {
-                sala_smooth::transform_hessian_diag(&mut s.mean_square, scales)
-                    .map_err(smooth_err)?;
-                for (a, &sc) in s.abs_max.iter_mut().zip(scales) {
-                    *a /= sc;
-                }
+            Finalized::Diagonal(s) => rescale_channels(s, scales).map_err(smooth_err)?,
+            Finalized::FullAndChannels(h, s) => {
+                h.rescale(scales, group)?;
+                rescale_channels(s, scales).map_err(smooth_err)?;
             }
         }
         Ok(())
+    }
+
+    /// The channel statistics, where they were accumulated.
+    pub(crate) fn channels(&self) -> Option<&ChannelStats> {
+        match self {
+            Finalized::Diagonal(s) | Finalized::FullAndChannels(_, s) => Some(s),
+            Finalized::Full(_) | Finalized::DeviceFull(_) => None,
+        }
     }
 
     /// The full Hessian on the host in f64 (a device Hessian downloaded, its lower triangle
@@ -400,8 +434,19 @@ impl<B: Backend> Finalized<B> {
                 Ok(Some(Cow::Owned(hessian)))
             }
             Finalized::Diagonal(_) => Ok(None),
+            Finalized::FullAndChannels(h, _) => h.host_hessian(input),
         }
     }
+}
+
+/// `x ← x / s` on channel statistics: `E[x²] /= s²`, `max|x| /= s` (`E[|x|]` is not read
+/// after smoothing).
+fn rescale_channels(s: &mut ChannelStats, scales: &[f32]) -> sala_smooth::Result<()> {
+    sala_smooth::transform_hessian_diag(&mut s.mean_square, scales)?;
+    for (a, &sc) in s.abs_max.iter_mut().zip(scales) {
+        *a /= sc;
+    }
+    Ok(())
 }
 
 /// The diagonal of a square device matrix, downloaded (`dim` values).

@@ -8,8 +8,8 @@ use sala_gptq::export::Checkpoint;
 use sala_gptq::model::{LayerRunner, TensorStore};
 use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
-    CpuBackend, NoProgress, Nvfp4Coverage, Pipeline, QuantizeOptions, Recipe, Report, Sample,
-    Smoothing,
+    CpuBackend, NoProgress, Nvfp4Coverage, Nvfp4Solver, Pipeline, QuantizeOptions, Recipe, Report,
+    Sample, Smoothing,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -169,6 +169,57 @@ fn the_alpha_search_reports_one_grid_alpha_per_group_and_verifies() {
         let rel = logits_relative_error(&model, &out, &options);
         assert!(rel < 0.5, "{recipe:?}: relative logits error {rel}");
     }
+}
+
+#[test]
+fn nvfp4_with_gptq_verifies_and_stays_as_close_as_the_block_search() {
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    let mut errors = Vec::new();
+    for solver in [Nvfp4Solver::BlockSearch, Nvfp4Solver::Gptq] {
+        let mut options = QuantizeOptions::new(Recipe::Nvfp4);
+        options.nvfp4_solver = solver;
+        let out = dir.path().join(format!("{solver:?}"));
+        let report = quantize(&model, options.clone(), &out);
+        assert!(
+            report.verify_summary.starts_with("verified ok"),
+            "{}",
+            report.verify_summary
+        );
+        let nvfp4: Vec<_> = report
+            .linears
+            .iter()
+            .filter(|l| l.treatment == "FP4")
+            .collect();
+        assert!(!nvfp4.is_empty());
+        for l in nvfp4 {
+            // GPTQ reports its loss; the search has none.
+            assert_eq!(
+                l.gptq_loss.is_some(),
+                solver == Nvfp4Solver::Gptq,
+                "{solver:?}: {}",
+                l.name
+            );
+            assert!(!l.rtn_fallback, "{}", l.name);
+        }
+        let rel = logits_relative_error(&model, &out, &options);
+        eprintln!("{solver:?}: relative logits error {rel}");
+        errors.push(rel);
+    }
+    // Measured: search 0.232, GPTQ 0.238 on this random-weight fixture and 1152 calibration
+    // tokens (GPTQ gains with more tokens and trained weights: docs/quality.md). A broken loop
+    // (wrong scales, errors spread the wrong way) lands far above.
+    assert!(
+        errors[1] < 0.35,
+        "GPTQ: relative logits error {}",
+        errors[1]
+    );
+    assert!(
+        errors[1] < 1.25 * errors[0],
+        "GPTQ {} vs search {}",
+        errors[1],
+        errors[0]
+    );
 }
 
 #[test]
