@@ -24,7 +24,8 @@ use sala_hessian::IntGrid;
 use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
     Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
-    Nvfp4BlockSearch, Nvfp4SearchResult, QuantizedLinear, Rtn, UpperFactorizer,
+    Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult, Nvfp4SearchResult, QuantizedLinear, Rtn,
+    UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -403,6 +404,21 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
                 .download_with(&self.client, self.transfer.as_ref())
         };
         Ok(run()?)
+    }
+
+    /// The host's column loop (no FP4 device loop yet), with the damped Hessian factored by
+    /// this solver's factorizer (cuSOLVER on CUDA) where it has one.
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &Hessian<f64>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        let factorizer = self.factorizer.as_deref();
+        solver.solve_using(weights, rows, cols, h, global_scale, factorizer)
     }
 }
 

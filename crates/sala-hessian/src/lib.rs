@@ -47,7 +47,7 @@ pub use hessian::{
 };
 pub use inverse::{CholeskyInverse, Damping, FaerFactorizer, UpperFactorizer};
 pub use nvfp4_gptq::{Nvfp4Gptq, Nvfp4GptqResult};
-pub use quantized::{IntGrid, Method, QuantizedLinear};
+pub use quantized::{proxy_error, IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{ClipSearch, IntScheme, QuantParams};
 pub use scalar::{Activation, HessianScalar};

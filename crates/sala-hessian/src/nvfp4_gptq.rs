@@ -16,7 +16,7 @@ use crate::block_search::Nvfp4BlockSearch;
 use crate::error::HessianError;
 use crate::gptq::{blocked_loop, effective_block, ColumnGrid, FailurePolicy, OUTER_BLOCKS};
 use crate::hessian::Hessian;
-use crate::inverse::{diagonal_f64, CholeskyInverse, Damping};
+use crate::inverse::{diagonal_f64, CholeskyInverse, Damping, UpperFactorizer};
 use crate::quantized::{check_weights, proxy_error, Method};
 use crate::scalar::HessianScalar;
 
@@ -81,20 +81,35 @@ impl Nvfp4Gptq {
         h: &Hessian<T>,
         global_scale: f32,
     ) -> Result<Nvfp4GptqResult, HessianError> {
+        self.solve_using(weights, rows, cols, h, global_scale, None)
+    }
+
+    /// [`Nvfp4Gptq::solve`] with each damping attempt factored by `factorizer` (a GPU's
+    /// Cholesky) instead of faer on the host; `None` is the host.
+    pub fn solve_using<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &Hessian<T>,
+        global_scale: f32,
+        factorizer: Option<&dyn UpperFactorizer>,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
         self.validate()?;
         check_weights(weights, rows, cols, Some(h.dim()))?;
         let diag: Vec<f32> = diagonal_f64(h).iter().map(|&d| d.max(0.0) as f32).collect();
         let channel_weights = self.search.channel_weights(cols, &diag, global_scale)?;
         let natural: Vec<usize> = (0..cols).collect();
-        let inverse = match CholeskyInverse::with_order(h, &natural, &self.damping) {
-            Ok(inverse) => inverse,
-            Err(HessianError::NotPositiveDefinite { .. })
-                if self.on_failure == FailurePolicy::Rtn =>
-            {
-                return self.search_only(weights, rows, cols, h, &diag, global_scale);
-            }
-            Err(e) => return Err(e),
-        };
+        let inverse =
+            match CholeskyInverse::with_order_using(h, &natural, &self.damping, factorizer) {
+                Ok(inverse) => inverse,
+                Err(HessianError::NotPositiveDefinite { .. })
+                    if self.on_failure == FailurePolicy::Rtn =>
+                {
+                    return self.search_only(weights, rows, cols, h, &diag, global_scale);
+                }
+                Err(e) => return Err(e),
+            };
         let mut w = weights.to_vec();
         zero_dead_columns(&mut w, cols, inverse.dead());
         let grid = Nvfp4Columns {

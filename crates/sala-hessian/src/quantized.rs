@@ -179,10 +179,11 @@ pub(crate) fn dequantize(
 /// Rows of `W − Q` converted and multiplied per GEMM call in [`proxy_error`].
 const PROXY_ROWS_PER_CHUNK: usize = 256;
 
-/// `tr(D H Dᵀ)` for `D = W − Q` `[out, inp]`, reading only the lower triangle of `H`:
-/// `Σ_r (Σ_k H_kk d_k² + 2 Σ_c d_c (D·L)_c)` with `L` the strict lower triangle, a
+/// The proxy output error `tr(D H Dᵀ)` of a quantized linear, `D = W − Q`, with `weights` and
+/// `dequantized` row-major `[out, inp]` and `h` `[inp, inp]`. Reads only the lower triangle of
+/// `H`: `Σ_r (Σ_k H_kk d_k² + 2 Σ_c d_c (D·L)_c)` with `L` the strict lower triangle, a
 /// triangular GEMM of `out·inp²` flops in the Hessian's precision.
-pub(crate) fn proxy_error<T: HessianScalar>(
+pub fn proxy_error<T: HessianScalar>(
     weights: &[f32],
     dequantized: &[f32],
     inp: usize,
