@@ -22,7 +22,7 @@ use burn::tensor::Tensor;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
-use sala_hessian::{Gptq, Hessian, IntGrid, Method};
+use sala_hessian::{proxy_error, Gptq, Hessian, IntGrid, Method};
 use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
     SalaConfig,
@@ -883,42 +883,52 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         })?;
         let diag: Vec<f32> = s.mean_square.iter().map(|&d| d as f32).collect();
         let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
-        let matrix = match stats.host_hessian(&linear.name)? {
+        let hessian = stats.host_hessian(&linear.name)?;
+        // GPTQ minimizes the full proxy `tr(ΔW H ΔWᵀ)` and the search the diagonal one: each
+        // run reports (and compares with max calibration) the error its solver minimizes.
+        let error_of = |q: &[f32]| match hessian.as_deref() {
+            Some(h) => proxy_error(w, q, inp, h),
+            None => diagonal_error(w, q, &diag),
+        };
+        // The matrix, and its error when the solver computed it already.
+        let (matrix, solved_error) = match hessian.as_deref() {
             // GPTQ on the FP4 grid: its codes are not those of rounding `w`, so the matrix is
             // built from them.
             Some(h) => {
                 let q = self
                     .solver
-                    .solve_nvfp4_gptq(&self.options.nvfp4_gptq(), w, out, inp, &h, global)
+                    .solve_nvfp4_gptq(&self.options.nvfp4_gptq(), w, out, inp, h, global)
                     .map_err(solve_err)?;
                 report.gptq_loss = Some(q.loss);
                 report.damping_retries = q.damping_retries;
                 report.rtn_fallback = q.method == Method::RtnFallback;
-                Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
-                    .map_err(format_err)?
+                let matrix = Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
+                    .map_err(format_err)?;
+                (matrix, Some(q.proxy_error))
             }
             None => {
                 let search = self
                     .solver
                     .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
                     .map_err(solve_err)?;
-                Nvfp4Matrix::quantize(
+                let matrix = Nvfp4Matrix::quantize(
                     w,
                     out,
                     inp,
                     global,
                     BlockScales::Given(&search.block_scales),
                 )
-                .map_err(format_err)?
+                .map_err(format_err)?;
+                (matrix, None)
             }
         };
         if self.options.compare_rtn {
             let max =
                 Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max).map_err(format_err)?;
-            report.baseline_output_error = Some(diagonal_error(w, &max.dequantize(), &diag));
+            report.baseline_output_error = Some(error_of(&max.dequantize()));
         }
         let dequantized = matrix.dequantize();
-        report.output_error = Some(diagonal_error(w, &dequantized, &diag));
+        report.output_error = Some(solved_error.unwrap_or_else(|| error_of(&dequantized)));
         w.copy_from_slice(&dequantized);
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
         Ok(SolvedLinear::Nvfp4(matrix, input_scale))

@@ -192,6 +192,14 @@ fn nvfp4_with_gptq_verifies_and_stays_as_close_as_the_block_search() {
             .filter(|l| l.treatment == "FP4")
             .collect();
         assert!(!nvfp4.is_empty());
+        // Each solver against max calibration, on the error it minimizes (GPTQ: the full
+        // proxy; the search: the diagonal one).
+        assert!(
+            report.total_output_error() < report.total_baseline_error(),
+            "{solver:?}: {} vs max calibration {}",
+            report.total_output_error(),
+            report.total_baseline_error()
+        );
         for l in nvfp4 {
             // GPTQ reports its loss; the search has none.
             assert_eq!(
