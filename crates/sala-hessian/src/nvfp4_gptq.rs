@@ -97,7 +97,7 @@ impl Nvfp4Gptq {
     ) -> Result<Nvfp4GptqResult, HessianError> {
         self.validate()?;
         check_weights(weights, rows, cols, Some(h.dim()))?;
-        let diag: Vec<f32> = diagonal_f64(h).iter().map(|&d| d.max(0.0) as f32).collect();
+        let diag = hessian_diagonal(h);
         let channel_weights = self.search.channel_weights(cols, &diag, global_scale)?;
         let natural: Vec<usize> = (0..cols).collect();
         let inverse =
@@ -220,8 +220,13 @@ impl ColumnGrid for Nvfp4Columns<'_> {
     }
 }
 
+/// `diag(H)` in f32, negative rounding noise clipped to 0: the block search's weights.
+pub(crate) fn hessian_diagonal<T: HessianScalar>(h: &Hessian<T>) -> Vec<f32> {
+    diagonal_f64(h).iter().map(|&d| d.max(0.0) as f32).collect()
+}
+
 /// Zeroes the columns marked dead in every row of the row-major `w` `[_, cols]`.
-fn zero_dead_columns(w: &mut [f32], cols: usize, dead: &[bool]) {
+pub(crate) fn zero_dead_columns(w: &mut [f32], cols: usize, dead: &[bool]) {
     if !dead.contains(&true) {
         return;
     }

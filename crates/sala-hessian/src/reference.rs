@@ -282,18 +282,12 @@ pub fn nvfp4_gptq_sequential<T: HessianScalar>(
     global_scale: f32,
 ) -> Result<(Vec<u8>, Vec<u8>), HessianError> {
     crate::quantized::check_weights(weights, rows, cols, Some(h.dim()))?;
-    let diag: Vec<f32> = diagonal_f64(h).iter().map(|&d| d.max(0.0) as f32).collect();
+    let diag = crate::nvfp4_gptq::hessian_diagonal(h);
     let channel_weights = solver.search.channel_weights(cols, &diag, global_scale)?;
     let natural: Vec<usize> = (0..cols).collect();
     let inverse = crate::CholeskyInverse::with_order(h, &natural, &solver.damping)?;
     let mut w = weights.to_vec();
-    for row in w.chunks_exact_mut(cols) {
-        for (v, &dead) in row.iter_mut().zip(inverse.dead()) {
-            if dead {
-                *v = 0.0;
-            }
-        }
-    }
+    crate::nvfp4_gptq::zero_dead_columns(&mut w, cols, inverse.dead());
     let grid = crate::nvfp4_gptq::Nvfp4Columns {
         rows,
         cols,
