@@ -189,6 +189,10 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
         self.0
             .quantize_rtn_resident(grid, weights, out, inp, &device_view(h)?)
     }
+
+    fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
+        self.0.take_step_seconds()
+    }
 }
 
 /// The statistics tensor as a kernel window on its own buffer.

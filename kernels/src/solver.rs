@@ -25,7 +25,7 @@ use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
     Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
     Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult, Nvfp4SearchResult, QuantizedLinear, Rtn,
-    UpperFactorizer,
+    StepSeconds, UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -123,6 +123,7 @@ pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     factorizer: Option<Box<dyn UpperFactorizer>>,
     device_factorizer: Option<Arc<dyn DeviceFactorizer<R>>>,
     transfer: Arc<dyn Transfer<R>>,
+    steps: StepSeconds,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -135,7 +136,27 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             factorizer: None,
             device_factorizer: None,
             transfer: Arc::new(CubeTransfer),
+            steps: StepSeconds::default(),
         }
+    }
+
+    /// Seconds per step since the last call (see [`LinearSolver::take_step_seconds`]).
+    pub fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
+        self.steps.take()
+    }
+
+    /// Runs `f`, waits for the device work it queued and charges both to `step`.
+    fn timed<T>(
+        &self,
+        step: &'static str,
+        f: impl FnOnce() -> Result<T, HessianError>,
+    ) -> Result<T, HessianError> {
+        self.steps.time(step, || {
+            let value = f()?;
+            cubecl::future::block_on(self.client.sync())
+                .map_err(|e| HessianError::Device(format!("device sync after {step}: {e:?}")))?;
+            Ok(value)
+        })
     }
 
     /// Moves weights and the proxy error's differences to the device, and codes back, with
@@ -191,13 +212,16 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             });
         }
         let client = &self.client;
-        let diag: Vec<f64> = diagonal(client, h)?
-            .download(client)?
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        let prepared = gptq.prepare(weights, out, inp, &diag)?;
-        if let Some((row, col)) = first_non_finite(client, h)? {
+        let (diag, prepared, non_finite) = self.timed("prepare", || {
+            let diag: Vec<f64> = diagonal(client, h)?
+                .download(client)?
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            let prepared = gptq.prepare(weights, out, inp, &diag)?;
+            Ok((diag, prepared, first_non_finite(client, h)?))
+        })?;
+        if let Some((row, col)) = non_finite {
             let value = h.window(row, col, 1, 1)?.download(client)?[0];
             return Err(HessianError::NonFinite {
                 what: "hessian",
@@ -211,9 +235,15 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
             return gptq.solve_with_loop(weights, out, inp, &host, self);
         }
-        let proxy = |dequantized: &[f32]| self.proxy_error(h, weights, dequantized, out, inp);
-        let Some((upper, attempt)) = self.damped_factor(h, &prepared, &config.damping, &diag)?
-        else {
+        let proxy = |dequantized: &[f32]| {
+            self.timed("proxy error", || {
+                self.proxy_error(h, weights, dequantized, out, inp)
+            })
+        };
+        let factor = self.timed("factor", || {
+            self.damped_factor(h, &prepared, &config.damping, &diag)
+        })?;
+        let Some((upper, attempt)) = factor else {
             return match config.on_failure {
                 FailurePolicy::Error => Err(config.damping.exhausted(prepared.mean_diag)),
                 FailurePolicy::Rtn => {
@@ -225,8 +255,10 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 }
             };
         };
-        let w_loop = prepared.loop_weights(weights, inp);
-        let w_view = self.upload(&w_loop, out, inp)?;
+        let w_view = self.timed("upload weights", || {
+            let w_loop = prepared.loop_weights(weights, inp);
+            Ok(self.upload(&w_loop, out, inp)?)
+        })?;
         let loop_config = loop_config(
             gptq.quantizer(),
             prepared.group_size,
@@ -236,7 +268,16 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         let clip_weights = prepared.clip_weights_in_loop_order();
         let sol = self.solve_columns(&w_view, &upper, &loop_config, clip_weights.as_deref())?;
         drop(upper);
-        gptq.finish(weights, &prepared, sol, None, attempt, proxy)
+        let finish_start = std::time::Instant::now();
+        let proxy_before = self.steps.total("proxy error");
+        let q = gptq.finish(weights, &prepared, sol, None, attempt, proxy)?;
+        // The host's share of finishing: un-permuting, dequantizing (the proxy is its own step).
+        let proxy_seconds = self.steps.total("proxy error") - proxy_before;
+        self.steps.add(
+            "finish (host)",
+            finish_start.elapsed().as_secs_f64() - proxy_seconds,
+        );
+        Ok(q)
     }
 
     /// Round-to-nearest of `weights` on `grid` (host) with its proxy output error under the
@@ -257,8 +298,12 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 right: inp,
             });
         }
-        let mut q = Rtn::new(grid)?.quantize::<f32>(weights, out, inp, None)?;
-        q.proxy_error = Some(self.proxy_error(h, weights, &q.dequantized, out, inp)?);
+        let mut q = self.steps.time("baseline rtn (host)", || {
+            Rtn::new(grid)?.quantize::<f32>(weights, out, inp, None)
+        })?;
+        q.proxy_error = Some(self.timed("baseline proxy error", || {
+            self.proxy_error(h, weights, &q.dequantized, out, inp)
+        })?);
         Ok(q)
     }
 
@@ -335,18 +380,22 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         u: &MatrixView,
         config: &DeviceGptqConfig,
         clip_weights: Option<&[f32]>,
-    ) -> Result<ColumnSolution, KernelError> {
+    ) -> Result<ColumnSolution, HessianError> {
         let clip_weights = clip_weights.map(|c| DeviceVec::upload(&self.client, c));
-        let r = gptq_solve(
-            &self.client,
-            &self.gemm,
-            w,
-            u,
-            config,
-            clip_weights.as_ref(),
-        )?;
-        let codes = self.transfer.download_u32(&self.client, &r.codes)?;
-        let host = r.download_with_codes(&self.client, codes)?;
+        let r = self.timed("column loop", || {
+            Ok(gptq_solve(
+                &self.client,
+                &self.gemm,
+                w,
+                u,
+                config,
+                clip_weights.as_ref(),
+            )?)
+        })?;
+        let host = self.timed("download codes", || {
+            let codes = self.transfer.download_u32(&self.client, &r.codes)?;
+            Ok(r.download_with_codes(&self.client, codes)?)
+        })?;
         Ok(ColumnSolution {
             codes: host.codes,
             params_rows: host.params,
@@ -378,6 +427,10 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         &self.name
     }
 
+    fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
+        self.steps.take()
+    }
+
     fn solve_gptq(
         &self,
         config: &GptqConfig,
@@ -398,12 +451,19 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         diag_h: &[f32],
         global_scale: f32,
     ) -> Result<Nvfp4SearchResult, HessianError> {
-        let run = || -> Result<Nvfp4SearchResult, KernelError> {
-            let view = self.upload(weights, rows, cols)?;
-            nvfp4_block_search(&self.client, &view, diag_h, global_scale, search)?
-                .download_with(&self.client, self.transfer.as_ref())
-        };
-        Ok(run()?)
+        let view = self.timed("upload weights", || Ok(self.upload(weights, rows, cols)?))?;
+        let found = self.timed("block search", || {
+            Ok(nvfp4_block_search(
+                &self.client,
+                &view,
+                diag_h,
+                global_scale,
+                search,
+            )?)
+        })?;
+        self.timed("download codes", || {
+            Ok(found.download_with(&self.client, self.transfer.as_ref())?)
+        })
     }
 
     /// The host's column loop (no FP4 device loop yet), with the damped Hessian factored by
@@ -434,19 +494,19 @@ impl<R: Runtime, G: Gemm<R>> GptqColumnLoop for DeviceSolver<R, G> {
             return BlockedLoop.run(problem, w);
         }
         let (out, inp) = (problem.out, problem.inp);
-        let run = || -> Result<ColumnSolution, KernelError> {
+        let (w_view, u_view) = self.timed("upload weights", || {
             let w_view = self.upload(w, out, inp)?;
             let u_view = self.upload(&square_to_row_major(problem.upper), inp, inp)?;
-            let (clip, clip_weights) = problem.clip.unzip();
-            let config = loop_config(
-                problem.quantizer,
-                problem.group_size,
-                problem.block_size,
-                clip,
-            );
-            self.solve_columns(&w_view, &u_view, &config, clip_weights)
-        };
-        Ok(run()?)
+            Ok((w_view, u_view))
+        })?;
+        let (clip, clip_weights) = problem.clip.unzip();
+        let config = loop_config(
+            problem.quantizer,
+            problem.group_size,
+            problem.block_size,
+            clip,
+        );
+        self.solve_columns(&w_view, &u_view, &config, clip_weights)
     }
 
     fn factorizer(&self) -> Option<&dyn UpperFactorizer> {

@@ -13,6 +13,10 @@ use crate::minifloat::{
 };
 use crate::shape::{check_divisible, check_len, check_matrix};
 use crate::FormatError;
+use rayon::prelude::*;
+
+/// Rows per parallel task of the whole-matrix conversions (a 4096-column task is 64 K values).
+const ROWS_PER_TASK: usize = 16;
 
 /// Elements per block scale.
 pub const NVFP4_BLOCK: usize = 16;
@@ -72,14 +76,17 @@ pub fn encode_block(values: &[f32], divisor: f32, codes: &mut [u8]) {
 /// Packs E2M1 codes two per byte (element `2j` low nibble, `2j+1` high nibble).
 pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
     check_divisible("code count", codes.len(), 2)?;
-    if let Some(i) = codes.iter().position(|&c| c > 0xF) {
+    if let Some(i) = codes.par_iter().position_first(|&c| c > 0xF) {
         return Err(FormatError::CodeOutOfRange {
             code: codes[i] as u32,
             index: i,
             bits: 4,
         });
     }
-    Ok(codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)).collect())
+    Ok(codes
+        .par_chunks_exact(2)
+        .map(|p| p[0] | (p[1] << 4))
+        .collect())
 }
 
 /// Unpacks bytes into E2M1 codes (two per byte, low nibble first).
@@ -133,15 +140,20 @@ impl Nvfp4Matrix {
         };
         let mut packed = vec![0u8; rows * cols / 2];
         let compute = matches!(scales, BlockScales::Max);
-        quantize_rows_into(
-            weights,
-            cols,
-            global_scale,
-            0,
-            compute,
-            &mut block_scales,
-            &mut packed,
-        )?;
+        // Rows in parallel; the first failing task in row order names the error, as a
+        // sequential pass would.
+        let blocks_per_task = ROWS_PER_TASK * blocks;
+        let outcomes: Vec<Result<(), FormatError>> = weights
+            .par_chunks((ROWS_PER_TASK * cols).max(1))
+            .zip(block_scales.par_chunks_mut(blocks_per_task.max(1)))
+            .zip(packed.par_chunks_mut((ROWS_PER_TASK * cols / 2).max(1)))
+            .enumerate()
+            .map(|(task, ((w, scales), packed))| {
+                let first_row = task * ROWS_PER_TASK;
+                quantize_rows_into(w, cols, global_scale, first_row, compute, scales, packed)
+            })
+            .collect();
+        outcomes.into_iter().collect::<Result<(), FormatError>>()?;
         Ok(Self {
             rows,
             cols,
@@ -183,17 +195,26 @@ impl Nvfp4Matrix {
         unpack_e2m1(&self.packed)
     }
 
-    /// Dequantizes to a row-major `[rows, cols]` f32 matrix.
+    /// Dequantizes to a row-major `[rows, cols]` f32 matrix (blocks in parallel).
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.rows * self.cols);
+        let mut out = vec![0f32; self.rows * self.cols];
         let half_block = NVFP4_BLOCK / 2;
-        for (b, block) in self.packed.chunks_exact(half_block).enumerate() {
-            let d = block_divisor(self.block_scales[b], self.global_scale);
-            for &byte in block {
-                out.push(e2m1_decode(byte & 0xF) * d);
-                out.push(e2m1_decode(byte >> 4) * d);
-            }
-        }
+        let task_blocks = ROWS_PER_TASK * (self.cols / NVFP4_BLOCK).max(1);
+        out.par_chunks_mut(task_blocks * NVFP4_BLOCK)
+            .zip(self.packed.par_chunks(task_blocks * half_block))
+            .zip(self.block_scales.par_chunks(task_blocks))
+            .for_each(|((out, packed), scales)| {
+                let blocks = out.chunks_exact_mut(NVFP4_BLOCK);
+                for ((values, block), &scale) in
+                    blocks.zip(packed.chunks_exact(half_block)).zip(scales)
+                {
+                    let d = block_divisor(scale, self.global_scale);
+                    for (pair, &byte) in values.chunks_exact_mut(2).zip(block) {
+                        pair[0] = e2m1_decode(byte & 0xF) * d;
+                        pair[1] = e2m1_decode(byte >> 4) * d;
+                    }
+                }
+            });
         out
     }
 }
@@ -290,6 +311,51 @@ mod tests {
         let m = Nvfp4Matrix::quantize(&w, 1, 32, 1.0, BlockScales::Max).unwrap();
         assert_eq!(m.block_scales, vec![0x01, 0x01]);
         assert!(m.dequantize().iter().all(|&v| v == 0.0));
+    }
+
+    /// The row-parallel conversions against one sequential pass over the whole matrix, on a
+    /// row count that leaves a partial last task; the first bad row in order names the error.
+    #[test]
+    fn parallel_conversions_equal_one_sequential_pass() {
+        let (rows, cols) = (3 * ROWS_PER_TASK + 5, 64);
+        let mut state = 0x2545_f491_u32;
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+            })
+            .collect();
+        let g = global_scale_from_amax(4.0).unwrap();
+        let mut scales = vec![0u8; rows * cols / NVFP4_BLOCK];
+        let mut packed = vec![0u8; rows * cols / 2];
+        quantize_rows_into(&w, cols, g, 0, true, &mut scales, &mut packed).unwrap();
+        let max = Nvfp4Matrix::quantize(&w, rows, cols, g, BlockScales::Max).unwrap();
+        assert_eq!((&max.packed, &max.block_scales), (&packed, &scales));
+        let shifted: Vec<u8> = scales.iter().map(|&s| s.saturating_sub(3).max(1)).collect();
+        let mut given_packed = vec![0u8; rows * cols / 2];
+        let mut given_scales = shifted.clone();
+        quantize_rows_into(&w, cols, g, 0, false, &mut given_scales, &mut given_packed).unwrap();
+        let given = Nvfp4Matrix::quantize(&w, rows, cols, g, BlockScales::Given(&shifted)).unwrap();
+        assert_eq!(given.packed, given_packed);
+        let sequential: Vec<f32> = unpack_e2m1(&given.packed)
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| e2m1_decode(c) * block_divisor(shifted[i / NVFP4_BLOCK], g))
+            .collect();
+        assert_eq!(given.dequantize(), sequential);
+        let mut bad = w.clone();
+        bad[(2 * ROWS_PER_TASK + 1) * cols + 7] = f32::NAN;
+        bad[(ROWS_PER_TASK + 2) * cols + 3] = f32::INFINITY;
+        let err = Nvfp4Matrix::quantize(&bad, rows, cols, g, BlockScales::Max).unwrap_err();
+        assert!(
+            matches!(err, FormatError::NonFinite { row, col: 3, .. } if row == ROWS_PER_TASK + 2),
+            "{err:?}"
+        );
+        // No rows is an error, not an empty task list.
+        assert!(matches!(
+            Nvfp4Matrix::quantize(&[], 0, 64, g, BlockScales::Max),
+            Err(FormatError::EmptyMatrix { .. })
+        ));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::smoothing::{fixed_scales, fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use rayon::prelude::*;
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
@@ -756,6 +757,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 damping_retries: 0,
                 rtn_fallback: false,
                 seconds: 0.0,
+                solve_steps: BTreeMap::new(),
             };
             if input.dim() != linear.in_features {
                 return Err(PipelineError::Unsupported(format!(
@@ -783,12 +785,22 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 }
             };
             report.seconds = seconds_since(t);
+            self.add_solver_steps(&mut report.solve_steps);
             self.linears.push(report);
             solved.push((linear.name.clone(), result));
             self.release_free_pages();
             progress.step();
         }
         Ok(solved)
+    }
+
+    /// Adds the solvers' own step times since the last call to `steps`, as `solver: STEP`.
+    fn add_solver_steps(&self, steps: &mut BTreeMap<String, f64>) {
+        let resident = self.resident.as_ref().map(|r| r.take_step_seconds());
+        let host = self.solver.take_step_seconds();
+        for (step, seconds) in resident.into_iter().flatten().chain(host) {
+            *steps.entry(format!("solver: {step}")).or_default() += seconds;
+        }
     }
 
     fn solve_gptq(
@@ -834,6 +846,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 .quantize_rtn(grid, w, out, inp, host_hessian()?)
                 .map_err(solve_err),
         };
+        let t = Instant::now();
         let q = match resident {
             _ if opts.rtn => rtn(grid)?,
             Some((solver, device_h)) => solver
@@ -844,18 +857,23 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 .solve_gptq(&config, w, out, inp, host_hessian()?)
                 .map_err(solve_err)?,
         };
+        report.add_step("solve", seconds_since(t));
         if self.options.compare_rtn {
             // The baseline is plain round-to-nearest on the group's min/max range: the
             // clipping search (on the host, the whole matrix at once) would cost as much as
             // the solver's own and measure the search rather than the solver.
+            let t = Instant::now();
             let plain = IntGrid { clip: None, ..grid };
             report.baseline_output_error = rtn(plain)?.proxy_error;
+            report.add_step("baseline", seconds_since(t));
         }
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;
         report.damping_retries = q.damping_retries;
         report.rtn_fallback = q.method == Method::RtnFallback;
+        let t = Instant::now();
         let packed = q.pack().map_err(solve_err)?;
+        report.add_step("pack", seconds_since(t));
         // The dequantized weight replaces the original (a move: no 268 MB copy).
         *w = q.dequantized;
         Ok(SolvedLinear::Gptq(packed))
@@ -884,6 +902,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let diag: Vec<f32> = s.mean_square.iter().map(|&d| d as f32).collect();
         let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
         let hessian = stats.host_hessian(&linear.name)?;
+        let t = Instant::now();
         // GPTQ minimizes the full proxy `tr(ΔW H ΔWᵀ)` and the search the diagonal one: each
         // run reports (and compares with max calibration) the error its solver minimizes.
         let error_of = |q: &[f32]| match hessian.as_deref() {
@@ -922,13 +941,18 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 (matrix, None)
             }
         };
+        report.add_step("solve", seconds_since(t));
         if self.options.compare_rtn {
+            let t = Instant::now();
             let max =
                 Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max).map_err(format_err)?;
             report.baseline_output_error = Some(error_of(&max.dequantize()));
+            report.add_step("baseline", seconds_since(t));
         }
+        let t = Instant::now();
         let dequantized = matrix.dequantize();
         report.output_error = Some(solved_error.unwrap_or_else(|| error_of(&dequantized)));
+        report.add_step("dequantize and error", seconds_since(t));
         w.copy_from_slice(&dequantized);
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
         Ok(SolvedLinear::Nvfp4(matrix, input_scale))
@@ -949,7 +973,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .filter(|l| l.treatment == Treatment::Nvfp4)
         {
             let w = weights.get(&format!("{}.weight", l.name))?;
-            let amax = w.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let amax = w.data.par_iter().map(|v| v.abs()).reduce(|| 0f32, f32::max);
             let key = l.fused_group.clone().unwrap_or_else(|| l.name.clone());
             let entry = amax_of_group.entry(key.clone()).or_insert(0.0);
             *entry = entry.max(amax);
@@ -1064,9 +1088,11 @@ struct Smoothed {
 
 /// `Σ_rows Σ_j d_j (w − q)²`: the output error under a diagonal Hessian.
 fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
-    let cols = diag.len();
-    w.chunks_exact(cols)
-        .zip(q.chunks_exact(cols))
+    let cols = diag.len().max(1);
+    // Rows in parallel, their sums added in row order: the same figure on any thread count.
+    let rows: Vec<f64> = w
+        .par_chunks_exact(cols)
+        .zip(q.par_chunks_exact(cols))
         .map(|(wr, qr)| {
             wr.iter()
                 .zip(qr)
@@ -1074,7 +1100,8 @@ fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
                 .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
                 .sum::<f64>()
         })
-        .sum()
+        .collect();
+    rows.iter().sum()
 }
 
 fn treatment_label(t: &Treatment) -> String {

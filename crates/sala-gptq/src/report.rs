@@ -4,6 +4,7 @@
 use crate::hidden::HiddenLocation;
 use sala_model::DeviceMemory;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// One linear.
@@ -37,6 +38,18 @@ pub struct LinearReport {
     pub rtn_fallback: bool,
     /// Wall time of the solve, seconds.
     pub seconds: f64,
+    /// Where the solve's seconds went, by step: the pipeline's `solve`, `baseline`, `pack`…,
+    /// and the solver's own steps inside them as `solver: STEP` (a device solver's uploads,
+    /// factor, column loop, downloads, host finishing; a host solver reports none).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub solve_steps: BTreeMap<String, f64>,
+}
+
+impl LinearReport {
+    /// Adds `seconds` to the step `step` of [`LinearReport::solve_steps`].
+    pub fn add_step(&mut self, step: &str, seconds: f64) {
+        *self.solve_steps.entry(step.to_owned()).or_default() += seconds;
+    }
 }
 
 /// Seconds of the stages of a layer's quantization (wall clock; on a GPU each stage ends with
@@ -194,6 +207,11 @@ impl Report {
         total_errors(&self.linears).1
     }
 
+    /// Seconds per solve step summed over the linears ([`solve_step_totals`]).
+    pub fn solve_step_totals(&self) -> Vec<(String, f64)> {
+        solve_step_totals(&self.linears)
+    }
+
     /// Seconds per stage summed over layers.
     pub fn stage_totals(&self) -> StageTotals {
         stage_totals(&self.layers)
@@ -339,6 +357,14 @@ impl fmt::Display for ReportSummary<'_> {
             r.peak_device_memory
                 .map_or(String::new(), |m| format!("; {}", device_memory_text(m)))
         )?;
+        let steps = r.solve_step_totals();
+        if !steps.is_empty() {
+            let listed: Vec<String> = steps
+                .iter()
+                .map(|(step, seconds)| format!("{step} {seconds:.1}"))
+                .collect();
+            writeln!(f, "solve steps (s): {}", listed.join(", "))?;
+        }
         if !r.failed_samples.is_empty() {
             writeln!(f, "skipped samples: {}", r.failed_samples.join("; "))?;
         }
@@ -372,6 +398,26 @@ impl fmt::Display for StageSeconds {
             self.write
         )
     }
+}
+
+/// Seconds per solve step ([`LinearReport::solve_steps`]) summed over `linears`: the
+/// pipeline's steps first, then the solver's (`solver: …`), each in decreasing seconds.
+pub fn solve_step_totals(linears: &[LinearReport]) -> Vec<(String, f64)> {
+    let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
+    for (step, seconds) in linears.iter().flat_map(|l| &l.solve_steps) {
+        *totals.entry(step.as_str()).or_default() += seconds;
+    }
+    let mut listed: Vec<(String, f64)> = totals
+        .into_iter()
+        .map(|(step, total)| (step.to_owned(), total))
+        .collect();
+    let solver_step = |step: &str| step.starts_with("solver: ");
+    listed.sort_by(|a, b| {
+        solver_step(&a.0)
+            .cmp(&solver_step(&b.0))
+            .then(b.1.total_cmp(&a.1))
+    });
+    listed
 }
 
 /// Seconds per stage summed over `layers`.
@@ -436,5 +482,39 @@ mod tests {
             (1.5, 6.0, 0.0)
         );
         assert_eq!(stage_totals(&[]), StageTotals::default());
+    }
+
+    #[test]
+    fn solve_steps_sum_over_linears_pipeline_steps_first() {
+        let linear = |steps: &[(&str, f64)]| LinearReport {
+            name: "l".into(),
+            treatment: "INT4 g128".into(),
+            out_features: 1,
+            in_features: 1,
+            gptq_loss: None,
+            output_error: None,
+            baseline_output_error: None,
+            smooth_scale_range: None,
+            smooth_alpha: None,
+            damping_retries: 0,
+            rtn_fallback: false,
+            seconds: 0.0,
+            solve_steps: steps.iter().map(|&(s, t)| (s.to_owned(), t)).collect(),
+        };
+        let mut first = linear(&[("solve", 1.0), ("solver: column loop", 0.25)]);
+        first.add_step("pack", 0.5);
+        first.add_step("pack", 0.5);
+        let second = linear(&[("solve", 2.0), ("solver: factor", 0.5), ("baseline", 0.75)]);
+        assert_eq!(
+            solve_step_totals(&[first, second]),
+            vec![
+                ("solve".to_owned(), 3.0),
+                ("pack".to_owned(), 1.0),
+                ("baseline".to_owned(), 0.75),
+                ("solver: factor".to_owned(), 0.5),
+                ("solver: column loop".to_owned(), 0.25),
+            ]
+        );
+        assert!(solve_step_totals(&[]).is_empty());
     }
 }

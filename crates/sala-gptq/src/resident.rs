@@ -36,4 +36,10 @@ pub trait ResidentSolver<B: Backend> {
         inp: usize,
         h: &Tensor<B, 2>,
     ) -> Result<QuantizedLinear, HessianError>;
+
+    /// Seconds per named step since the last call, as [`sala_hessian::LinearSolver`]'s
+    /// `take_step_seconds`; none by default.
+    fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
 }

@@ -267,6 +267,8 @@ impl From<&SavedLinear> for LinearReport {
             damping_retries: l.damping_retries,
             rtn_fallback: l.rtn_fallback,
             seconds: l.seconds,
+            // A resumed layer's step times are not kept: its total is.
+            solve_steps: Default::default(),
         }
     }
 }

@@ -51,4 +51,4 @@ pub use quantized::{proxy_error, IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{ClipSearch, IntScheme, QuantParams};
 pub use scalar::{Activation, HessianScalar};
-pub use solver::{CpuSolver, LinearSolver};
+pub use solver::{CpuSolver, LinearSolver, StepSeconds};

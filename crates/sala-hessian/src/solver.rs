@@ -7,6 +7,9 @@
 //! weights row-major `[out, inp]` f32, Hessians `[inp, inp]` f64, the NVFP4 diagonal `[inp]`
 //! f32. Packing, smoothing, global scales and reports stay in the pipeline.
 
+use std::sync::Mutex;
+use std::time::Instant;
+
 use crate::{
     Gptq, GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult,
     Nvfp4SearchResult, QuantizedLinear, Rtn,
@@ -70,6 +73,55 @@ pub trait LinearSolver {
     ) -> Result<Nvfp4GptqResult, HessianError> {
         solver.solve(weights, rows, cols, h, global_scale)
     }
+
+    /// Seconds per named step of the work since the last call (uploads, factor, column loop,
+    /// downloads, host finishing…), for the report; a solver that does not time its steps
+    /// returns none (the default).
+    fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+}
+
+/// Wall seconds per named step of a solver's work, summed until taken: what a
+/// [`LinearSolver::take_step_seconds`] returns. Steps keep the order of their first use.
+#[derive(Debug, Default)]
+pub struct StepSeconds {
+    totals: Mutex<Vec<(&'static str, f64)>>,
+}
+
+impl StepSeconds {
+    /// Adds `seconds` to `step`.
+    pub fn add(&self, step: &'static str, seconds: f64) {
+        // A poisoned lock only means another thread panicked while adding: the figures stay
+        // usable.
+        let mut totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+        match totals.iter_mut().find(|(name, _)| *name == step) {
+            Some((_, total)) => *total += seconds,
+            None => totals.push((step, seconds)),
+        }
+    }
+
+    /// Runs `f` and adds its wall time to `step`.
+    pub fn time<T>(&self, step: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let value = f();
+        self.add(step, start.elapsed().as_secs_f64());
+        value
+    }
+
+    /// The seconds of `step` so far (0 when it never ran).
+    pub fn total(&self, step: &str) -> f64 {
+        let totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+        totals
+            .iter()
+            .find(|(name, _)| *name == step)
+            .map_or(0.0, |(_, total)| *total)
+    }
+
+    /// The totals so far, which start again from zero.
+    pub fn take(&self) -> Vec<(&'static str, f64)> {
+        std::mem::take(&mut *self.totals.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 /// The host solvers of `sala-hessian` (faer + rayon): the reference and the default.
@@ -102,5 +154,26 @@ impl LinearSolver for CpuSolver {
         global_scale: f32,
     ) -> Result<Nvfp4SearchResult, HessianError> {
         search.search(weights, rows, cols, diag_h, global_scale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seconds_sum_per_step_in_first_use_order_and_restart_when_taken() {
+        let steps = StepSeconds::default();
+        steps.add("factor", 0.5);
+        let value = steps.time("column loop", || 7);
+        steps.add("factor", 0.25);
+        assert_eq!(value, 7);
+        assert_eq!(steps.total("factor"), 0.75);
+        assert_eq!(steps.total("never"), 0.0);
+        let taken = steps.take();
+        let names: Vec<&str> = taken.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["factor", "column loop"]);
+        assert!(taken[1].1 >= 0.0);
+        assert!(steps.take().is_empty());
     }
 }

@@ -71,6 +71,7 @@ fn report_without_timings(bytes: &[u8]) -> serde_json::Value {
             serde_json::Value::Object(map) => {
                 for key in [
                     "seconds",
+                    "solve_steps",
                     "capture",
                     "accumulate",
                     "finalize",
