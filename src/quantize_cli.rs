@@ -86,14 +86,16 @@ pub struct Args {
     skip_malformed: bool,
     /// SmoothQuant migration strength: α in [0, 1] for every group, or `search` for AWQ's
     /// search per group (20 points, α = 0, 0.05, …, 0.95, and the unsmoothed weights, scored by
-    /// the group's round-to-nearest output error on the calibration's E[x²]).
-    #[arg(long, default_value = "0.5", value_parser = parse_smooth_alpha)]
-    smooth_alpha: SmoothAlphaArg,
-    /// Turn SmoothQuant off.
-    #[arg(long)]
+    /// the group's round-to-nearest output error on the calibration's E[x²]). Default: 0.5 for
+    /// NVFP4; off for GPTQ (measured better unsmoothed, docs/quality.md), which this turns on.
+    #[arg(long, value_parser = parse_smooth_alpha)]
+    smooth_alpha: Option<SmoothAlphaArg>,
+    /// Turn SmoothQuant off (NVFP4; GPTQ runs without it unless --smooth-alpha is given).
+    #[arg(long, conflicts_with = "smooth_alpha")]
     no_smooth: bool,
-    /// GPTQ relative damping.
-    #[arg(long, default_value_t = 0.01)]
+    /// GPTQ relative damping `λ / mean(diag H)` (GPTQModel's `damp_percent`; 0.05 measured
+    /// better than IST's 0.01 on SmolLM2-135M at group 128, docs/quality.md).
+    #[arg(long, default_value_t = sala_gptq::DEFAULT_DAMP_PERCENT)]
     damp: f64,
     /// Symmetric GPTQ grid (default).
     #[arg(long, overrides_with = "no_sym")]
@@ -753,8 +755,13 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--max-samples", format!("{:?}", a.max_samples)),
         ("--max-len", format!("{:?}", a.max_len)),
         ("--skip-malformed", a.skip_malformed.to_string()),
-        ("--smooth-alpha", a.smooth_alpha.to_string()),
-        ("--no-smooth", a.no_smooth.to_string()),
+        // The α in effect when smoothing is on, and whether it is off: a run's fingerprint
+        // names what it did, whichever flags said so.
+        (
+            "--smooth-alpha",
+            a.smooth_alpha.unwrap_or(DEFAULT_SMOOTH_ALPHA).to_string(),
+        ),
+        ("--no-smooth", smoothing_of(a).is_none().to_string()),
         ("--damp", a.damp.to_string()),
         ("--no-sym", a.no_sym.to_string()),
         ("--grid", format!("{:?}", a.grid)),
@@ -898,10 +905,7 @@ fn options_from(
         Nvfp4SolverArg::Search => Nvfp4Solver::BlockSearch,
         Nvfp4SolverArg::Gptq => Nvfp4Solver::Gptq,
     };
-    options.smoothing = (!args.no_smooth).then_some(match args.smooth_alpha {
-        SmoothAlphaArg::Fixed(alpha) => Smoothing::Fixed(alpha),
-        SmoothAlphaArg::Search => Smoothing::Searched(AlphaGrid::DEFAULT),
-    });
+    options.smoothing = smoothing_of(args);
     options.run.attention = AttentionMode::Dense;
     if args.f32 {
         options.run.numerics = Numerics::F32;
@@ -1058,6 +1062,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn smoothing_defaults_to_alpha_half_for_nvfp4_and_off_for_gptq() {
+        let smoothing = |flags: &[&str]| {
+            let argv = ["quantize_sala"].iter().chain(flags).copied();
+            smoothing_of(&Args::try_parse_from(argv).expect("flags parse"))
+        };
+        assert_eq!(smoothing(&[]), None);
+        assert_eq!(smoothing(&["--recipe", "gptq", "--no-smooth"]), None);
+        assert_eq!(
+            smoothing(&["--recipe", "gptq", "--smooth-alpha", "0.5"]),
+            Some(Smoothing::Fixed(0.5))
+        );
+        assert_eq!(
+            smoothing(&["--recipe", "nvfp4"]),
+            Some(Smoothing::Fixed(0.5))
+        );
+        assert_eq!(smoothing(&["--recipe", "nvfp4", "--no-smooth"]), None);
+        assert_eq!(
+            smoothing(&["--recipe", "nvfp4", "--smooth-alpha", "search"]),
+            Some(Smoothing::Searched(AlphaGrid::DEFAULT))
+        );
+        // Both at once are a contradiction, refused as a usage error.
+        let both = ["quantize_sala", "--no-smooth", "--smooth-alpha", "0.3"];
+        assert!(Args::try_parse_from(both).is_err());
+    }
+
+    #[test]
     fn cuda_is_refused_in_a_build_without_the_feature_before_any_work() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("missing-model");
@@ -1074,6 +1104,24 @@ mod tests {
         assert!(err.contains("--features cuda"), "{err}");
         assert!(!err.contains("missing-model"), "{err}");
     }
+}
+
+/// NVFP4's α when `--smooth-alpha` is not given (the original scripts').
+const DEFAULT_SMOOTH_ALPHA: SmoothAlphaArg = SmoothAlphaArg::Fixed(0.5);
+
+/// The smoothing the flags ask for: `--smooth-alpha` when given, none under `--no-smooth`,
+/// else the recipe's default (NVFP4: α = 0.5; GPTQ: none).
+fn smoothing_of(args: &Args) -> Option<Smoothing> {
+    let alpha = match (args.smooth_alpha, args.no_smooth, args.recipe) {
+        (_, true, _) => return None,
+        (Some(alpha), false, _) => alpha,
+        (None, false, RecipeArg::Gptq) => return None,
+        (None, false, RecipeArg::Nvfp4) => DEFAULT_SMOOTH_ALPHA,
+    };
+    Some(match alpha {
+        SmoothAlphaArg::Fixed(alpha) => Smoothing::Fixed(alpha),
+        SmoothAlphaArg::Search => Smoothing::Searched(AlphaGrid::DEFAULT),
+    })
 }
 
 /// `--smooth-alpha`: a fixed α or `search`.

@@ -58,7 +58,8 @@ pub use error::{PipelineError, PlanError};
 pub use hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 pub use io::{CheckpointSink, CheckpointSource, Discard, LayerSink, SolvedLinear, WeightSource};
 pub use options::{
-    GptqOptions, Nvfp4Solver, QuantizeOptions, Smoothing, DEFAULT_MLP_ROWS, DEFAULT_PACK_TOKENS,
+    GptqOptions, Nvfp4Solver, QuantizeOptions, Smoothing, DEFAULT_DAMP_PERCENT, DEFAULT_MLP_ROWS,
+    DEFAULT_PACK_TOKENS,
 };
 pub use packing::pack_samples;
 pub use pipeline::{Pipeline, StagedRun};
