@@ -20,13 +20,14 @@
 //!   instead, which rounds exactly like the reference's separate multiply and add.
 
 use cubecl::prelude::*;
+use rayon::prelude::*;
 use sala_formats::minifloat::{E2M1_MAX, E4M3_MAX, E4M3_MIN_POSITIVE};
 use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{HessianError, Nvfp4BlockSearch, Nvfp4SearchResult};
 
 pub use self::bits::{e4m3_decode_bits, e4m3_encode_bits};
 
-use crate::device::{array_arg, DeviceVec, MatrixView};
+use crate::device::{array_arg, to_bytes, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::launch::elementwise;
 use crate::solver::Transfer;
@@ -86,16 +87,18 @@ impl DeviceBlockSearch {
         }
         let block_error = transfer.download_f32(client, &self.block_error)?;
         let codes: Vec<u8> = to_bytes(transfer.download_u32(client, &self.codes)?);
-        let dequantized = codes
-            .chunks_exact(NVFP4_BLOCK)
-            .zip(&block_scales)
-            .flat_map(|(block, &byte)| {
+        // Blocks in parallel: a layer of the 9B model has 280 M codes.
+        let mut dequantized = vec![0f32; codes.len()];
+        dequantized
+            .par_chunks_mut(NVFP4_BLOCK)
+            .zip(codes.par_chunks(NVFP4_BLOCK))
+            .zip(block_scales.par_iter())
+            .for_each(|((values, block), &byte)| {
                 let divisor = sala_formats::nvfp4::block_divisor(byte, self.global_scale);
-                block
-                    .iter()
-                    .map(move |&c| sala_formats::minifloat::e2m1_decode(c) * divisor)
-            })
-            .collect();
+                for (v, &c) in values.iter_mut().zip(block) {
+                    *v = sala_formats::minifloat::e2m1_decode(c) * divisor;
+                }
+            });
         Ok(Nvfp4SearchResult {
             rows: self.rows,
             cols: self.cols,
@@ -106,11 +109,6 @@ impl DeviceBlockSearch {
             block_error,
         })
     }
-}
-
-/// Codes the kernels store as `u32` (always < 256).
-fn to_bytes(values: Vec<u32>) -> Vec<u8> {
-    values.into_iter().map(|v| v as u8).collect()
 }
 
 /// Searches every block of `weights [rows, cols]` (a device window, `cols` a multiple of 16).

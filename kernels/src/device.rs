@@ -284,3 +284,10 @@ impl<T: Element> DeviceVec<T> {
         read_range(client, &self.handle, 0, self.len, "vector")
     }
 }
+
+/// Codes the kernels store as `u32` (always < 256) as bytes, in parallel (a layer of the 9B
+/// model has 280 M of them).
+pub(crate) fn to_bytes(values: Vec<u32>) -> Vec<u8> {
+    use rayon::prelude::*;
+    values.par_iter().map(|&v| v as u8).collect()
+}

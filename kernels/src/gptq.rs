@@ -151,7 +151,7 @@ impl DeviceGptqResult {
         let scales = self.scales.download(client)?;
         let zeros = self.zeros.download(client)?;
         Ok(HostGptqResult {
-            codes: codes.into_iter().map(|c| c as u8).collect(),
+            codes: crate::device::to_bytes(codes),
             params: scales
                 .into_iter()
                 .zip(zeros)
