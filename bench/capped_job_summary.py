@@ -58,7 +58,12 @@ def report_figures(path):
         for k in STAGES:
             stages[k] = stages.get(k, 0.0) + layer.get(k, 0.0)
     peak = report.get("peak_device_memory") or {}
-    return {
+    # Where the solve stage's seconds went (reports from binaries that time their steps).
+    steps = {}
+    for linear in report["linears"]:
+        for step, seconds in (linear.get("solve_steps") or {}).items():
+            steps[step] = steps.get(step, 0.0) + seconds
+    figures = {
         "samples": report["samples"],
         "tokens": report["tokens"],
         "pipeline_s": report["seconds"],
@@ -71,6 +76,9 @@ def report_figures(path):
         "verify_summary": report.get("verify_summary"),
         "verified": str(report.get("verify_summary", "")).startswith("verified ok"),
     }
+    if steps:
+        figures["solve_steps_s"] = {k: round(v, 2) for k, v in sorted(steps.items(), key=lambda kv: -kv[1])}
+    return figures
 
 
 def main():
