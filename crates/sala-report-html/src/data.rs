@@ -106,6 +106,10 @@ pub struct LinearReport {
     /// Wall time of the solve, seconds.
     #[serde(default)]
     pub seconds: f64,
+    /// Where the solve's seconds went, by step (`solve`, `baseline`, `pack`, `solver: …`);
+    /// absent in older reports.
+    #[serde(default)]
+    pub solve_steps: BTreeMap<String, f64>,
 }
 
 impl LinearReport {

@@ -150,6 +150,22 @@ fn opt_raw(v: Option<f64>) -> String {
     v.map_or(String::new(), |v| v.to_string())
 }
 
+/// The solve stage's seconds by step, summed over the linears, largest first
+/// (`solve 59.0 s, baseline 20.0 s, …`); `None` for a report without them.
+fn solve_steps_text(linears: &[LinearReport]) -> Option<String> {
+    let mut totals: std::collections::BTreeMap<&str, f64> = std::collections::BTreeMap::new();
+    for (step, seconds) in linears.iter().flat_map(|l| &l.solve_steps) {
+        *totals.entry(step.as_str()).or_default() += seconds;
+    }
+    let mut steps: Vec<(&str, f64)> = totals.into_iter().collect();
+    steps.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let listed: Vec<String> = steps
+        .iter()
+        .map(|(step, seconds)| format!("{step} {seconds:.1} s"))
+        .collect();
+    (!listed.is_empty()).then(|| listed.join(", "))
+}
+
 fn opt_p(v: Option<f64>) -> String {
     v.map_or("–".into(), |v| format!("{v:.2}"))
 }
@@ -259,6 +275,9 @@ impl View {
                 }
             ),
         ));
+        if let Some(steps) = solve_steps_text(&run.linears) {
+            facts.push(fact("solve steps", steps));
+        }
         facts.push(fact("verifier", run.verify_summary.clone()));
 
         let highlights = highlights(q, baseline);

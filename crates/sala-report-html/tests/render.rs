@@ -208,3 +208,30 @@ fn each_group_s_alpha_is_on_the_page() {
     );
     assert!(page.contains("α 0.20: "), "no α in the linears' table");
 }
+
+#[test]
+fn the_solve_steps_are_summed_on_the_page_when_the_report_has_them() {
+    let (mut inputs, mut json) = inputs("gptq-w4a16");
+    assert!(
+        !render(&inputs).unwrap().contains("solve steps"),
+        "an older report has none"
+    );
+    let linears = json["report"]["linears"].as_array_mut().unwrap();
+    for l in linears.iter_mut() {
+        l["solve_steps"] = serde_json::json!({"solve": 0.5, "solver: column loop": 0.25});
+    }
+    let n = linears.len() as f64;
+    let dir = std::env::temp_dir().join(format!("sala-report-html-steps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    inputs.report = QuantizationReport::from_file(&path).unwrap();
+    let page = render(&inputs).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let expected = format!(
+        "solve {:.1} s, solver: column loop {:.1} s",
+        0.5 * n,
+        0.25 * n
+    );
+    assert!(page.contains(&expected), "no '{expected}' on the page");
+}
