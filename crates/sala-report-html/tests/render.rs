@@ -183,6 +183,19 @@ fn bad_inputs_are_errors_that_name_the_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The page of `inputs` with its report replaced by `json`, read back from a file (as the
+/// binary reads it) in a temporary folder named after `tag`.
+fn render_with_report(inputs: &mut Inputs, json: &serde_json::Value, tag: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("sala-report-html-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string(json).unwrap()).unwrap();
+    inputs.report = QuantizationReport::from_file(&path).unwrap();
+    let page = render(inputs).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    page
+}
+
 #[test]
 fn each_group_s_alpha_is_on_the_page() {
     let (mut inputs, mut json) = inputs("gptq-w4a16");
@@ -195,13 +208,7 @@ fn each_group_s_alpha_is_on_the_page() {
         }
     }
     assert!(smoothed > 0, "the example smooths nothing");
-    let dir = std::env::temp_dir().join(format!("sala-report-html-alpha-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("report.json");
-    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
-    inputs.report = QuantizationReport::from_file(&path).unwrap();
-    let page = render(&inputs).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    let page = render_with_report(&mut inputs, &json, "alpha");
     assert!(
         page.contains("Smoothing α by group: 0.20 ("),
         "no α summary"
@@ -221,13 +228,7 @@ fn the_solve_steps_are_summed_on_the_page_when_the_report_has_them() {
         l["solve_steps"] = serde_json::json!({"solve": 0.5, "solver: column loop": 0.25});
     }
     let n = linears.len() as f64;
-    let dir = std::env::temp_dir().join(format!("sala-report-html-steps-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("report.json");
-    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
-    inputs.report = QuantizationReport::from_file(&path).unwrap();
-    let page = render(&inputs).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    let page = render_with_report(&mut inputs, &json, "steps");
     let expected = format!(
         "solve {:.1} s, solver: column loop {:.1} s",
         0.5 * n,
