@@ -25,7 +25,7 @@
 # Each quantizer runs under /usr/bin/time -v (wall time, peak RSS): OUT_DIR/<name>.time.txt,
 # its log in OUT_DIR/<name>.log. Checkpoints are reused when present (REUSE=1, the default;
 # REUSE=0 redoes them, timing included). Environment: WORK, GROUP_SIZES, THREADS (default 2),
-# OURS_ARGS (extra quantize_sala flags, e.g. --no-smooth), ABLATIONS (a file of lines "NAME
+# OURS_ARGS (extra quantize_sala flags, e.g. --smooth-alpha 0.5), ABLATIONS (a file of lines "NAME
 # FLAGS...": one more run of ours at group 128 per line, named ours-g128-NAME, e.g.
 # bench/real_model/ablations.txt), SCORE_ARGS (e.g. --windows 4: the first
 # 4 windows of each text; all 16 cost ~10-20 s per window and model on 2 busy cores),
