@@ -86,7 +86,7 @@ impl DeviceBlockSearch {
             .into());
         }
         let block_error = transfer.download_f32(client, &self.block_error)?;
-        let codes: Vec<u8> = to_bytes(transfer.download_u32(client, &self.codes)?);
+        let codes: Vec<u8> = self.codes.download_low_bytes_with(client, transfer)?;
         // Blocks in parallel: a layer of the 9B model has 280 M codes.
         let mut dequantized = vec![0f32; codes.len()];
         dequantized

@@ -131,15 +131,17 @@ impl DeviceGptqResult {
         &self,
         client: &ComputeClient<R>,
     ) -> Result<HostGptqResult, KernelError> {
-        self.download_with_codes(client, self.codes.download(client)?)
+        let codes = self.codes.download_low_bytes(client)?;
+        self.download_with_codes(client, codes)
     }
 
-    /// Reads the parameters back, with the codes already read by the caller (`[out, inp]`,
-    /// through a faster copy than CubeCL's: 268 MB of them for a 16384 × 4096 weight).
+    /// Reads the parameters back, with the codes already read by the caller as bytes
+    /// (`[out, inp]`, e.g. [`DeviceVec::download_low_bytes`] through a faster copy than
+    /// CubeCL's: 67 MB of them for a 16384 × 4096 weight).
     pub fn download_with_codes<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
-        codes: Vec<u32>,
+        codes: Vec<u8>,
     ) -> Result<HostGptqResult, KernelError> {
         if codes.len() != self.codes.len {
             return Err(KernelError::shape(
@@ -151,7 +153,7 @@ impl DeviceGptqResult {
         let scales = self.scales.download(client)?;
         let zeros = self.zeros.download(client)?;
         Ok(HostGptqResult {
-            codes: crate::device::to_bytes(codes),
+            codes,
             params: scales
                 .into_iter()
                 .zip(zeros)

@@ -393,7 +393,9 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             )?)
         })?;
         let host = self.timed("download codes", || {
-            let codes = self.transfer.download_u32(&self.client, &r.codes)?;
+            let codes = r
+                .codes
+                .download_low_bytes_with(&self.client, self.transfer.as_ref())?;
             Ok(r.download_with_codes(&self.client, codes)?)
         })?;
         Ok(ColumnSolution {

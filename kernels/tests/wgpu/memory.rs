@@ -57,3 +57,28 @@ fn zeros_are_zero_even_in_reused_memory() {
         .unwrap()
         .is_empty());
 }
+
+/// The codes' byte download (four per word on the device) against the plain `u32` download,
+/// on lengths around the word size; only the low byte of each element comes back.
+#[test]
+fn low_bytes_download_equals_the_u32_download_narrowed() {
+    let Some(client) = client() else {
+        return;
+    };
+    let mut rng = Rng::new(11);
+    for len in [0usize, 1, 3, 4, 5, 8, 1001, 4099] {
+        let values: Vec<u32> = (0..len).map(|_| rng.next_u64() as u32 % 300).collect();
+        let device = DeviceVec::upload(&client, &values);
+        let narrowed: Vec<u8> = device
+            .download(&client)
+            .unwrap()
+            .iter()
+            .map(|&v| v as u8)
+            .collect();
+        assert_eq!(
+            device.download_low_bytes(&client).unwrap(),
+            narrowed,
+            "len {len}"
+        );
+    }
+}
