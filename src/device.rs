@@ -178,6 +178,30 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
             .solve_gptq_resident(config, weights, out, inp, &device_view(h)?)
     }
 
+    fn solve_gptq_with_baseline(
+        &self,
+        config: &sala_gptq::hessian::GptqConfig,
+        baseline: sala_gptq::hessian::IntGrid,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+    ) -> Result<sala_gptq::WithBaseline, sala_gptq::hessian::HessianError> {
+        let (quantized, baseline) = self.0.solve_gptq_resident_with_baseline(
+            config,
+            Some(baseline),
+            weights,
+            out,
+            inp,
+            &device_view(h)?,
+        )?;
+        Ok(sala_gptq::WithBaseline {
+            quantized,
+            baseline_proxy_error: baseline.map(|b| b.proxy_error),
+            baseline_seconds: baseline.map_or(0.0, |b| b.seconds),
+        })
+    }
+
     fn quantize_rtn(
         &self,
         grid: sala_gptq::hessian::IntGrid,

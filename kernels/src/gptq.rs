@@ -545,7 +545,7 @@ impl ClipLaunch {
 }
 
 /// `IntScheme` as the kernels' runtime code.
-fn scheme_code(scheme: IntScheme) -> u32 {
+pub(crate) fn scheme_code(scheme: IntScheme) -> u32 {
     match scheme {
         IntScheme::SymmetricIst => SCHEME_IST,
         IntScheme::SymmetricAbsMax => SCHEME_ABSMAX,
@@ -791,7 +791,7 @@ fn team_partial_range(
 
 /// `[lo, hi]` widened to contain `v`.
 #[cube]
-fn widen(lo: f32, hi: f32, v: f32) -> (f32, f32) {
+pub(crate) fn widen(lo: f32, hi: f32, v: f32) -> (f32, f32) {
     let mut out_lo = lo;
     let mut out_hi = hi;
     if v < lo {
@@ -932,7 +932,13 @@ fn clip_search_kernel(
 /// `IntQuantizer::params_from_range`: `(scale, zero)` of a group of range `[lo, hi]` on the
 /// grid `scheme` (`SCHEME_*`) with largest code `maxq` and symmetric zero `sym_zero`.
 #[cube]
-fn group_params(lo_in: f32, hi_in: f32, scheme: u32, maxq: f32, sym_zero: f32) -> (f32, f32) {
+pub(crate) fn group_params(
+    lo_in: f32,
+    hi_in: f32,
+    scheme: u32,
+    maxq: f32,
+    sym_zero: f32,
+) -> (f32, f32) {
     let mut lo = lo_in;
     let mut hi = hi_in;
     if lo > 0.0 {
@@ -977,7 +983,7 @@ fn at_least_min_scale(scale: f32) -> f32 {
 /// `IntQuantizer::quantize` as f32: `clamp(round_ties_even(x/scale) + zero, 0, maxq)`
 /// (`round` is ties-to-even on every CubeCL backend: WGSL `round`, CUDA `rint`).
 #[cube]
-fn quantize(x: f32, scale: f32, zero: f32, maxq: f32) -> f32 {
+pub(crate) fn quantize(x: f32, scale: f32, zero: f32, maxq: f32) -> f32 {
     let v = clamp_f32(x / scale, -1024.0, 1024.0);
     clamp_f32(v.round() + zero, 0.0, maxq)
 }

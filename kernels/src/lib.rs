@@ -14,6 +14,9 @@
 //!   finiteness, the damped permuted copy, the proxy error's row dots);
 //! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
 //! - [`block_search`]: the NVFP4 block-scale search ([`nvfp4_block_search`]);
+//! - [`weight_error`]: a weight uploaded once in GPTQ's loop order ([`gather_columns`]) and
+//!   the weight error `W − Q` of GPTQ and of round-to-nearest where `W` is
+//!   ([`gptq_weight_error`], [`rtn_weight_error`]), for the proxy error on the device;
 //! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device, and GPTQ
 //!   on a device Hessian ([`DeviceSolver::solve_gptq_resident`], [`DeviceFactorizer`]);
 //! - [`flip`]: `P·M·P`, `P` the reversal ([`flip::reversed`]), for the cuSOLVER
@@ -45,6 +48,7 @@ pub mod hessian_ops;
 mod launch;
 pub mod softmax;
 pub mod solver;
+pub mod weight_error;
 
 pub use attention::{attention_tiling, causal_gqa_attention, AttentionShape, AttentionTiling};
 pub use block_search::{nvfp4_block_search, DeviceBlockSearch};
@@ -56,7 +60,8 @@ pub use gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GlaTiling};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
-pub use solver::{DeviceFactorizer, DeviceSolver, Transfer};
+pub use solver::{DeviceFactorizer, DeviceSolver, RtnBaseline, Transfer};
+pub use weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};
 
 /// A fingerprint of this crate's kernel sources (16 hex digits, computed at build time): key
 /// an on-disk cache of compiled kernels by it. CubeCL's own PTX cache keys a kernel by its

@@ -32,8 +32,9 @@ use crate::block_search::nvfp4_block_search;
 use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::gemm::Gemm;
-use crate::gptq::{gptq_solve, DeviceGptqConfig, MAX_BLOCK};
+use crate::gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult, MAX_BLOCK};
 use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
+use crate::weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};
 
 /// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
 /// `a⁻¹` (`Uᵀ·U = a⁻¹`, strict lower triangle zero), of the symmetric device matrix `a`.
@@ -112,6 +113,16 @@ impl<R: Runtime> UpperFactorizer for Uploading<R> {
             None => Ok(None),
         }
     }
+}
+
+/// The proxy output error of round-to-nearest beside a GPTQ solve (the report's baseline),
+/// from [`DeviceSolver::solve_gptq_resident_with_baseline`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RtnBaseline {
+    /// `tr(D·H·Dᵀ)`, `D = W − RTN(W)`.
+    pub proxy_error: f64,
+    /// Wall seconds it took, the device work included.
+    pub seconds: f64,
 }
 
 /// A [`LinearSolver`] whose column loop and block search run on `client`'s device, with
@@ -203,6 +214,24 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         inp: usize,
         h: &MatrixView,
     ) -> Result<QuantizedLinear, HessianError> {
+        Ok(self
+            .solve_gptq_resident_with_baseline(config, None, weights, out, inp, h)?
+            .0)
+    }
+
+    /// [`solve_gptq_resident`](Self::solve_gptq_resident), and with `baseline` the proxy
+    /// output error `tr(D·H·Dᵀ)` of round-to-nearest on that grid (the report's baseline) from
+    /// the same upload of the weights: on the device for a grid without a clipping search,
+    /// else [`quantize_rtn_resident`](Self::quantize_rtn_resident)'s.
+    pub fn solve_gptq_resident_with_baseline(
+        &self,
+        config: &GptqConfig,
+        baseline: Option<IntGrid>,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &MatrixView,
+    ) -> Result<(QuantizedLinear, Option<RtnBaseline>), HessianError> {
         let gptq = Gptq::new(*config)?;
         if (h.rows, h.cols) != (inp, inp) {
             return Err(HessianError::DimensionMismatch {
@@ -230,16 +259,28 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 value: value as f64,
             });
         }
+        // The original weights stay on the device until the proxy errors are known.
+        let w_view = self.timed("upload weights", || Ok(self.upload(weights, out, inp)?))?;
+        let baseline = match baseline {
+            Some(grid) => {
+                let start = std::time::Instant::now();
+                let proxy_error = self.baseline_proxy_error(grid, weights, &w_view, h)?;
+                let seconds = start.elapsed().as_secs_f64();
+                Some(RtnBaseline {
+                    proxy_error,
+                    seconds,
+                })
+            }
+            None => None,
+        };
         if config.static_groups && config.grid.group_size.is_some() {
             // Static groups keep the host loop: the Hessian comes to the host.
             let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
-            return gptq.solve_with_loop(weights, out, inp, &host, self);
+            return Ok((
+                gptq.solve_with_loop(weights, out, inp, &host, self)?,
+                baseline,
+            ));
         }
-        let proxy = |dequantized: &[f32]| {
-            self.timed("proxy error", || {
-                self.proxy_error(h, weights, dequantized, out, inp)
-            })
-        };
         let factor = self.timed("factor", || {
             self.damped_factor(h, &prepared, &config.damping, &diag)
         })?;
@@ -249,15 +290,21 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 FailurePolicy::Rtn => {
                     let mut q = gptq.rtn_fallback::<f32>(weights, out, inp, None)?;
                     if config.proxy_error {
-                        q.proxy_error = Some(proxy(&q.dequantized)?);
+                        q.proxy_error = Some(self.timed("proxy error", || {
+                            self.proxy_error(h, weights, &q.dequantized, out, inp)
+                        })?);
                     }
-                    Ok(q)
+                    Ok((q, baseline))
                 }
             };
         };
-        let w_view = self.timed("upload weights", || {
-            let w_loop = prepared.loop_weights(weights, inp);
-            Ok(self.upload(&w_loop, out, inp)?)
+        let w_loop = self.timed("loop weights", || {
+            let sources: Vec<Option<usize>> = prepared
+                .order
+                .iter()
+                .map(|&j| (!prepared.dead[j]).then_some(j))
+                .collect();
+            Ok(gather_columns(client, &w_view, &sources)?)
         })?;
         let loop_config = loop_config(
             gptq.quantizer(),
@@ -266,18 +313,47 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             config.grid.clip,
         );
         let clip_weights = prepared.clip_weights_in_loop_order();
-        let sol = self.solve_columns(&w_view, &upper, &loop_config, clip_weights.as_deref())?;
-        drop(upper);
+        let result = self.run_columns(&w_loop, &upper, &loop_config, clip_weights.as_deref())?;
+        drop((upper, w_loop));
+        let proxy = match config.proxy_error {
+            true => Some(self.timed("proxy error", || {
+                let d = gptq_weight_error(client, &w_view, &result, &prepared.order)?;
+                self.proxy_error_of(&d, h)
+            })?),
+            false => None,
+        };
+        drop(w_view);
+        let sol = self.download_columns(result)?;
         let finish_start = std::time::Instant::now();
-        let proxy_before = self.steps.total("proxy error");
-        let q = gptq.finish(weights, &prepared, sol, None, attempt, proxy)?;
-        // The host's share of finishing: un-permuting, dequantizing (the proxy is its own step).
-        let proxy_seconds = self.steps.total("proxy error") - proxy_before;
-        self.steps.add(
-            "finish (host)",
-            finish_start.elapsed().as_secs_f64() - proxy_seconds,
-        );
-        Ok(q)
+        let q = gptq.finish(weights, &prepared, sol, None, attempt, |_| {
+            proxy.ok_or_else(|| HessianError::Device("no proxy error computed".into()))
+        })?;
+        self.steps
+            .add("finish (host)", finish_start.elapsed().as_secs_f64());
+        Ok((q, baseline))
+    }
+
+    /// The proxy output error of round-to-nearest on `grid` of the weights `w` (on the device,
+    /// `weights` on the host) under `h`: `W − Q` on the device for a plain grid.
+    fn baseline_proxy_error(
+        &self,
+        grid: IntGrid,
+        weights: &[f32],
+        w: &MatrixView,
+        h: &MatrixView,
+    ) -> Result<f64, HessianError> {
+        if grid.clip.is_some() {
+            let q = self.quantize_rtn_resident(grid, weights, w.rows, w.cols, h)?;
+            return q
+                .proxy_error
+                .ok_or_else(|| HessianError::Device("no baseline proxy error".into()));
+        }
+        let quantizer = Rtn::new(grid).map(|_| grid.quantizer())??;
+        let group_size = grid.effective_group_size(w.cols)?;
+        self.timed("baseline proxy error", || {
+            let d = rtn_weight_error(&self.client, w, quantizer, group_size)?;
+            self.proxy_error_of(&d, h)
+        })
     }
 
     /// Round-to-nearest of `weights` on `grid` (host) with its proxy output error under the
@@ -298,8 +374,13 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 right: inp,
             });
         }
+        // A clipping search weighs columns by diag(H), as on the host.
+        let diag = match grid.clip {
+            Some(_) => Some(diagonal(&self.client, h)?.download(&self.client)?),
+            None => None,
+        };
         let mut q = self.steps.time("baseline rtn (host)", || {
-            Rtn::new(grid)?.quantize::<f32>(weights, out, inp, None)
+            Rtn::new(grid)?.quantize_weighted(weights, out, inp, diag.as_deref())
         })?;
         q.proxy_error = Some(self.timed("baseline proxy error", || {
             self.proxy_error(h, weights, &q.dequantized, out, inp)
@@ -349,8 +430,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         })
     }
 
-    /// `tr(D·H·Dᵀ)`, `D = W − Q`, with `H` on the device: one GEMM `D·H` and the row dots of
-    /// `D` with it (f32 on the device, the rows summed in f64).
+    /// `tr(D·H·Dᵀ)`, `D = W − Q`, with `H` on the device and `D` computed on the host.
     fn proxy_error(
         &self,
         h: &MatrixView,
@@ -364,16 +444,24 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             .zip(dequantized)
             .map(|(&w, &q)| w - q)
             .collect();
-        let d = self.upload(&delta, out, inp)?;
-        let dh = MatrixView::zeros(&self.client, out, inp)?;
+        self.proxy_error_of(&self.upload(&delta, out, inp)?, h)
+    }
+
+    /// `tr(D·H·Dᵀ)` of the device matrices `d` `[out, inp]` and `h` `[inp, inp]`: one GEMM
+    /// `D·H` and the row dots of `D` with it (f32 on the device, the rows summed in f64).
+    fn proxy_error_of(&self, d: &MatrixView, h: &MatrixView) -> Result<f64, HessianError> {
+        let dh = MatrixView::zeros(&self.client, d.rows, d.cols)?;
         self.gemm
-            .gemm(&self.client, 1.0, &d, false, h, false, 0.0, &dh)?;
-        let dots = row_dots(&self.client, &d, &dh)?;
+            .gemm(&self.client, 1.0, d, false, h, false, 0.0, &dh)?;
+        let dots = row_dots(&self.client, d, &dh)?;
         Ok(dots.iter().map(|&v| v as f64).sum())
     }
 
-    /// GPTQ's column loop on the device: `w` (loop order, overwritten) against the factor `u`,
-    /// with the clipping search's column weights `[inp]` (loop order) when it has one.
+    /// GPTQ's column loop on the device, its result read back: [`run_columns`] and
+    /// [`download_columns`].
+    ///
+    /// [`run_columns`]: Self::run_columns
+    /// [`download_columns`]: Self::download_columns
     fn solve_columns(
         &self,
         w: &MatrixView,
@@ -381,8 +469,21 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         config: &DeviceGptqConfig,
         clip_weights: Option<&[f32]>,
     ) -> Result<ColumnSolution, HessianError> {
+        let result = self.run_columns(w, u, config, clip_weights)?;
+        self.download_columns(result)
+    }
+
+    /// GPTQ's column loop on the device: `w` (loop order, overwritten) against the factor `u`,
+    /// with the clipping search's column weights `[inp]` (loop order) when it has one.
+    fn run_columns(
+        &self,
+        w: &MatrixView,
+        u: &MatrixView,
+        config: &DeviceGptqConfig,
+        clip_weights: Option<&[f32]>,
+    ) -> Result<DeviceGptqResult, HessianError> {
         let clip_weights = clip_weights.map(|c| DeviceVec::upload(&self.client, c));
-        let r = self.timed("column loop", || {
+        self.timed("column loop", || {
             Ok(gptq_solve(
                 &self.client,
                 &self.gemm,
@@ -391,12 +492,16 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 config,
                 clip_weights.as_ref(),
             )?)
-        })?;
+        })
+    }
+
+    /// The codes (as bytes), parameters and column losses of a device result, on the host.
+    fn download_columns(&self, result: DeviceGptqResult) -> Result<ColumnSolution, HessianError> {
         let host = self.timed("download codes", || {
-            let codes = r
+            let codes = result
                 .codes
                 .download_low_bytes_with(&self.client, self.transfer.as_ref())?;
-            Ok(r.download_with_codes(&self.client, codes)?)
+            Ok(result.download_with_codes(&self.client, codes)?)
         })?;
         Ok(ColumnSolution {
             codes: host.codes,

@@ -846,26 +846,46 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 .quantize_rtn(grid, w, out, inp, host_hessian()?)
                 .map_err(solve_err),
         };
+        // The baseline is plain round-to-nearest on the group's min/max range: the clipping
+        // search (on the host, the whole matrix at once) would cost as much as the solver's
+        // own and measure the search rather than the solver.
+        let plain = IntGrid { clip: None, ..grid };
         let t = Instant::now();
-        let q = match resident {
-            _ if opts.rtn => rtn(grid)?,
-            Some((solver, device_h)) => solver
-                .solve_gptq(&config, w, out, inp, device_h)
-                .map_err(solve_err)?,
-            None => self
-                .solver
-                .solve_gptq(&config, w, out, inp, host_hessian()?)
-                .map_err(solve_err)?,
+        let (q, baseline) = match resident {
+            _ if opts.rtn => (rtn(grid)?, None),
+            // One upload of the weights serves the solve and the baseline.
+            Some((solver, device_h)) if self.options.compare_rtn => {
+                let both = solver
+                    .solve_gptq_with_baseline(&config, plain, w, out, inp, device_h)
+                    .map_err(solve_err)?;
+                let baseline = (both.baseline_proxy_error, both.baseline_seconds);
+                (both.quantized, Some(baseline))
+            }
+            Some((solver, device_h)) => (
+                solver
+                    .solve_gptq(&config, w, out, inp, device_h)
+                    .map_err(solve_err)?,
+                None,
+            ),
+            None => (
+                self.solver
+                    .solve_gptq(&config, w, out, inp, host_hessian()?)
+                    .map_err(solve_err)?,
+                None,
+            ),
         };
-        report.add_step("solve", seconds_since(t));
+        let baseline_seconds = baseline.map_or(0.0, |(_, seconds)| seconds);
+        report.add_step("solve", seconds_since(t) - baseline_seconds);
         if self.options.compare_rtn {
-            // The baseline is plain round-to-nearest on the group's min/max range: the
-            // clipping search (on the host, the whole matrix at once) would cost as much as
-            // the solver's own and measure the search rather than the solver.
-            let t = Instant::now();
-            let plain = IntGrid { clip: None, ..grid };
-            report.baseline_output_error = rtn(plain)?.proxy_error;
-            report.add_step("baseline", seconds_since(t));
+            let (error, seconds) = match baseline {
+                Some(both) => both,
+                None => {
+                    let t = Instant::now();
+                    (rtn(plain)?.proxy_error, seconds_since(t))
+                }
+            };
+            report.baseline_output_error = error;
+            report.add_step("baseline", seconds);
         }
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;
@@ -909,10 +929,9 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             Some(h) => proxy_error(w, q, inp, h),
             None => diagonal_error(w, q, &diag),
         };
-        // The matrix, and its error when the solver computed it already.
-        let (matrix, solved_error) = match hessian.as_deref() {
-            // GPTQ on the FP4 grid: its codes are not those of rounding `w`, so the matrix is
-            // built from them.
+        // The matrix from the solver's codes and scales, with its dequantized values, and its
+        // error when the solver computed it already.
+        let (matrix, dequantized, solved_error) = match hessian.as_deref() {
             Some(h) => {
                 let q = self
                     .solver
@@ -923,22 +942,17 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 report.rtn_fallback = q.method == Method::RtnFallback;
                 let matrix = Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
                     .map_err(format_err)?;
-                (matrix, Some(q.proxy_error))
+                (matrix, q.dequantized, Some(q.proxy_error))
             }
             None => {
                 let search = self
                     .solver
                     .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
                     .map_err(solve_err)?;
-                let matrix = Nvfp4Matrix::quantize(
-                    w,
-                    out,
-                    inp,
-                    global,
-                    BlockScales::Given(&search.block_scales),
-                )
-                .map_err(format_err)?;
-                (matrix, None)
+                let matrix =
+                    Nvfp4Matrix::from_codes(&search.codes, out, inp, global, search.block_scales)
+                        .map_err(format_err)?;
+                (matrix, search.dequantized, None)
             }
         };
         report.add_step("solve", seconds_since(t));
@@ -950,9 +964,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.add_step("baseline", seconds_since(t));
         }
         let t = Instant::now();
-        let dequantized = matrix.dequantize();
         report.output_error = Some(solved_error.unwrap_or_else(|| error_of(&dequantized)));
-        report.add_step("dequantize and error", seconds_since(t));
+        report.add_step("error", seconds_since(t));
         w.copy_from_slice(&dequantized);
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
         Ok(SolvedLinear::Nvfp4(matrix, input_scale))

@@ -37,9 +37,46 @@ pub trait ResidentSolver<B: Backend> {
         h: &Tensor<B, 2>,
     ) -> Result<QuantizedLinear, HessianError>;
 
+    /// [`solve_gptq`](Self::solve_gptq), and the proxy output error of round-to-nearest on
+    /// `baseline` under the same Hessian (the report's baseline), with the seconds the
+    /// baseline took: a solver that uploads the weights once for both overrides it. Default:
+    /// the two calls.
+    fn solve_gptq_with_baseline(
+        &self,
+        config: &GptqConfig,
+        baseline: IntGrid,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &Tensor<B, 2>,
+    ) -> Result<WithBaseline, HessianError> {
+        let quantized = self.solve_gptq(config, weights, out, inp, h)?;
+        let start = std::time::Instant::now();
+        let baseline_proxy_error = self
+            .quantize_rtn(baseline, weights, out, inp, h)?
+            .proxy_error;
+        Ok(WithBaseline {
+            quantized,
+            baseline_proxy_error,
+            baseline_seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
     /// Seconds per named step since the last call, as [`sala_hessian::LinearSolver`]'s
     /// `take_step_seconds`; none by default.
     fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
+}
+
+/// GPTQ's result with the report's round-to-nearest baseline
+/// ([`ResidentSolver::solve_gptq_with_baseline`]).
+#[derive(Debug, Clone)]
+pub struct WithBaseline {
+    /// The GPTQ result.
+    pub quantized: QuantizedLinear,
+    /// The baseline's proxy output error `tr(D·H·Dᵀ)`.
+    pub baseline_proxy_error: Option<f64>,
+    /// Wall seconds spent on the baseline (part of the call's).
+    pub baseline_seconds: f64,
 }

@@ -27,7 +27,8 @@ impl Rtn {
     }
 
     /// Quantizes the row-major `W [out, inp]`; with a Hessian `[inp, inp]` the result also
-    /// carries the proxy output error `tr((W − Q) H (W − Q)ᵀ)`.
+    /// carries the proxy output error `tr((W − Q) H (W − Q)ᵀ)`, and a clipping search weighs
+    /// each column's error by `diag(H)` (as GPTQ's does).
     ///
     /// The column loss is `Σ_rows (w − q)²/2`, GPTQ's loss with `d = 1`.
     pub fn quantize<T: HessianScalar>(
@@ -41,15 +42,43 @@ impl Rtn {
         if let Some(h) = hessian {
             h.check_finite()?;
         }
+        let diag: Option<Vec<f32>> = match (&self.grid.clip, hessian) {
+            (Some(_), Some(h)) => Some(h.diagonal().into_iter().map(|d| d.to_f32()).collect()),
+            _ => None,
+        };
+        let mut q = self.quantize_checked(weights, out, inp, diag.as_deref())?;
+        q.proxy_error = hessian.map(|h| proxy_error(weights, &q.dequantized, inp, h));
+        Ok(q)
+    }
+
+    /// Quantizes the row-major `W [out, inp]` without a proxy error, a clipping search
+    /// weighing each column's error by `column_weights` `[inp]` (`diag(H)` where the Hessian
+    /// is elsewhere, e.g. on a device) or by 1 without them.
+    pub fn quantize_weighted(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        column_weights: Option<&[f32]>,
+    ) -> Result<QuantizedLinear, HessianError> {
+        check_weights(weights, out, inp, column_weights.map(<[f32]>::len))?;
+        self.quantize_checked(weights, out, inp, column_weights)
+    }
+
+    /// [`quantize_weighted`](Self::quantize_weighted) of checked inputs.
+    fn quantize_checked(
+        &self,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        column_weights: Option<&[f32]>,
+    ) -> Result<QuantizedLinear, HessianError> {
         let gs = self.grid.effective_group_size(inp)?;
         let q = match &self.grid.clip {
             None => quantize_groupwise(weights, out, inp, gs, self.quantizer)?,
             Some(search) => {
-                // The same weighting as GPTQ's search: diag(H) when there is a Hessian.
-                let diag: Option<Vec<f32>> =
-                    hessian.map(|h| h.diagonal().into_iter().map(|d| d.to_f32()).collect());
                 let q = self.quantizer;
-                quantize_groupwise_searched(weights, out, inp, gs, q, search, diag.as_deref())?
+                quantize_groupwise_searched(weights, out, inp, gs, q, search, column_weights)?
             }
         };
         let g_idx: Vec<i32> = (0..inp).map(|j| (j / gs) as i32).collect();
@@ -63,7 +92,7 @@ impl Rtn {
             codes: q.codes,
             params: q.params,
             g_idx,
-            proxy_error: hessian.map(|h| proxy_error(weights, &dequantized, inp, h)),
+            proxy_error: None,
             dequantized,
             loss: column_loss.iter().sum(),
             column_loss,

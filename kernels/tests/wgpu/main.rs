@@ -18,3 +18,4 @@ mod hessian_ops;
 mod memory;
 mod softmax;
 mod solver;
+mod weight_error;

@@ -433,3 +433,51 @@ fn resident_gptq_refuses_bad_hessians_by_position() {
         Err(HessianError::DimensionMismatch { .. })
     ));
 }
+
+/// The report's baseline from the resident solve's one upload: round-to-nearest's proxy error
+/// on the device (plain grid) or through the host (clipping search) against the host solver's,
+/// and the GPTQ result unchanged by asking for it.
+#[test]
+fn resident_baseline_matches_the_host_round_to_nearest() {
+    if client().is_none() {
+        return;
+    }
+    let device = solver();
+    let (out, inp) = (24, 96);
+    let mut rng = Rng::new(27);
+    let h = hessian(&mut rng, inp);
+    let h_device = on_device(&h);
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    let config = GptqConfig {
+        group_aware_order: true,
+        ..GptqConfig::default()
+    };
+    let alone = device
+        .solve_gptq_resident(&config, &weights, out, inp, &h_device)
+        .unwrap();
+    for clip in [None, Some(ClipSearch::DEFAULT)] {
+        let grid = IntGrid {
+            clip,
+            ..config.grid
+        };
+        let (q, baseline) = device
+            .solve_gptq_resident_with_baseline(&config, Some(grid), &weights, out, inp, &h_device)
+            .unwrap();
+        assert_eq!(q.codes, alone.codes);
+        assert_eq!(q.proxy_error, alone.proxy_error);
+        let host = CpuSolver
+            .quantize_rtn(grid, &weights, out, inp, &h)
+            .unwrap()
+            .proxy_error
+            .unwrap();
+        let baseline = baseline.unwrap().proxy_error;
+        assert!(
+            relative(baseline, host) < 1e-3,
+            "clip {clip:?}: baseline {baseline} vs {host}"
+        );
+        assert!(
+            baseline > q.proxy_error.unwrap(),
+            "GPTQ beats round-to-nearest"
+        );
+    }
+}
