@@ -43,7 +43,7 @@ pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
     InverseTimings,
 };
-pub use transfer::DriverTransfer;
+pub use transfer::{DriverTransfer, STAGING_BYTES};
 
 use std::sync::Arc;
 
@@ -209,6 +209,10 @@ impl LibStream {
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 }
 

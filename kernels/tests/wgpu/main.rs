@@ -18,4 +18,6 @@ mod hessian_ops;
 mod memory;
 mod softmax;
 mod solver;
+#[cfg(feature = "cuda")]
+mod transfer;
 mod weight_error;
