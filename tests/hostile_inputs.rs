@@ -1582,32 +1582,8 @@ const KILL_AFTER: &str = "SALA_QUANTIZE_KILL_AFTER_LAYER";
 /// The report's JSON without what differs from run to run: wall-clock seconds (per stage, per
 /// linear, total) and memory peaks.
 fn report_without_timings(bytes: &[u8]) -> serde_json::Value {
-    fn strip(v: &mut serde_json::Value) {
-        match v {
-            serde_json::Value::Object(map) => {
-                for key in [
-                    "seconds",
-                    "solve_steps",
-                    "capture",
-                    "accumulate",
-                    "finalize",
-                    "smooth",
-                    "solve",
-                    "propagate",
-                    "write",
-                    "peak_rss_bytes",
-                    "peak_device_memory",
-                ] {
-                    map.remove(key);
-                }
-                map.values_mut().for_each(strip);
-            }
-            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
     let mut v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
-    strip(&mut v);
+    sala_gptq::report::strip_run_dependent(&mut v);
     v
 }
 

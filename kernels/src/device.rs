@@ -155,7 +155,7 @@ impl MatrixView {
     }
 
     /// A dense view of a whole buffer.
-    fn dense(handle: Handle, rows: usize, cols: usize) -> Self {
+    pub(crate) fn dense(handle: Handle, rows: usize, cols: usize) -> Self {
         Self {
             handle,
             offset: 0,

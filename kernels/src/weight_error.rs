@@ -168,13 +168,11 @@ const ZERO_COLUMN: u32 = u32::MAX;
 
 /// A new dense `[rows, cols]` matrix of unspecified contents (every element is written).
 fn dense<R: Runtime>(client: &ComputeClient<R>, rows: usize, cols: usize) -> MatrixView {
-    MatrixView {
-        handle: client.empty((rows * cols).max(1) * size_of::<f32>()),
-        offset: 0,
+    MatrixView::dense(
+        client.empty((rows * cols).max(1) * size_of::<f32>()),
         rows,
         cols,
-        row_stride: cols,
-    }
+    )
 }
 
 #[cube(launch)]

@@ -434,6 +434,38 @@ pub fn device_memory_text(m: DeviceMemory) -> String {
     )
 }
 
+/// Keys of a report's JSON whose values differ between two runs of the same job: wall-clock
+/// seconds (per stage, per step) and memory peaks.
+pub const RUN_DEPENDENT_KEYS: [&str; 11] = [
+    "seconds",
+    "solve_steps",
+    "capture",
+    "accumulate",
+    "finalize",
+    "smooth",
+    "solve",
+    "propagate",
+    "write",
+    "peak_rss_bytes",
+    "peak_device_memory",
+];
+
+/// Removes the [`RUN_DEPENDENT_KEYS`] at every depth of a report's JSON `value`. What is left
+/// must be equal for two runs of the same job (a resumed run and an uninterrupted one, two
+/// thread counts).
+pub fn strip_run_dependent(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for key in RUN_DEPENDENT_KEYS {
+                map.remove(key);
+            }
+            map.values_mut().for_each(strip_run_dependent);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(strip_run_dependent),
+        _ => {}
+    }
+}
+
 /// Peak resident set size of this process (Linux `/proc/self/status` `VmHWM`), bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
