@@ -142,9 +142,14 @@ fn run_cuda<J: DeviceJob>(
         if host_solver {
             (Box::new(CpuSolver), None)
         } else {
+            // One set of page-locked staging buffers for both solvers.
+            let transfer = Arc::new(
+                sala_kernels::cuda::DriverTransfer::new(0)
+                    .map_err(|e| format!("the GPU solver's copies: {e}"))?,
+            );
             let resident: Arc<dyn ResidentSolver<CudaBackend>> =
-                Arc::new(CudaResident(cuda_solver()?));
-            (Box::new(cuda_solver()?), Some(resident))
+                Arc::new(CudaResident(cuda_solver(transfer.clone())?));
+            (Box::new(cuda_solver(transfer)?), Some(resident))
         };
     let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops());
     job.run::<CudaBackend>(
@@ -252,24 +257,24 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
 }
 
 /// The GPU solver on device 0: CubeCL kernels on burn's CUDA context, cuBLAS (FP32,
-/// pedantic) for GPTQ's trailing updates and proxy errors, cuSOLVER for its damped inverse.
+/// pedantic) for GPTQ's trailing updates and proxy errors, cuSOLVER for its damped inverse,
+/// `transfer` for its copies (shared between the solvers: one set of staging buffers).
 #[cfg(feature = "cuda")]
-fn cuda_solver() -> Result<CudaSolver, Box<dyn Error>> {
+fn cuda_solver(
+    transfer: Arc<sala_kernels::cuda::DriverTransfer>,
+) -> Result<CudaSolver, Box<dyn Error>> {
     use sala_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     use sala_kernels::cubecl::Runtime;
-    use sala_kernels::cuda::{
-        Cublas, CublasGemm, Cusolver, CusolverFactorizer, DriverTransfer, Fp32Math,
-    };
+    use sala_kernels::cuda::{Cublas, CublasGemm, Cusolver, CusolverFactorizer, Fp32Math};
     use sala_kernels::DeviceSolver;
     let client = CudaRuntime::client(&CudaDevice::default());
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
     let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
     let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
-    let uploader = DriverTransfer::new(0).map_err(|e| format!("the GPU solver's uploads: {e}"))?;
     Ok(DeviceSolver::new(client, gemm, "cuda")
         .with_device_factorizer(factorizer)
-        .with_transfer(Arc::new(uploader)))
+        .with_transfer(transfer))
 }
 
 #[cfg(feature = "cuda")]
