@@ -348,7 +348,8 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 .proxy_error
                 .ok_or_else(|| HessianError::Device("no baseline proxy error".into()));
         }
-        let quantizer = Rtn::new(grid).map(|_| grid.quantizer())??;
+        Rtn::new(grid)?;
+        let quantizer = grid.quantizer()?;
         let group_size = grid.effective_group_size(w.cols)?;
         self.timed("baseline proxy error", || {
             let d = rtn_weight_error(&self.client, w, quantizer, group_size)?;

@@ -198,24 +198,38 @@ impl Nvfp4Matrix {
     /// Dequantizes to a row-major `[rows, cols]` f32 matrix (blocks in parallel).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
-        let half_block = NVFP4_BLOCK / 2;
         let task_blocks = ROWS_PER_TASK * (self.cols / NVFP4_BLOCK).max(1);
         out.par_chunks_mut(task_blocks * NVFP4_BLOCK)
-            .zip(self.packed.par_chunks(task_blocks * half_block))
+            .zip(self.packed.par_chunks(task_blocks * NVFP4_BLOCK / 2))
             .zip(self.block_scales.par_chunks(task_blocks))
             .for_each(|((out, packed), scales)| {
-                let blocks = out.chunks_exact_mut(NVFP4_BLOCK);
-                for ((values, block), &scale) in
-                    blocks.zip(packed.chunks_exact(half_block)).zip(scales)
-                {
-                    let d = block_divisor(scale, self.global_scale);
-                    for (pair, &byte) in values.chunks_exact_mut(2).zip(block) {
-                        pair[0] = e2m1_decode(byte & 0xF) * d;
-                        pair[1] = e2m1_decode(byte >> 4) * d;
-                    }
-                }
+                dequantize_rows_into(packed, scales, self.global_scale, out);
             });
         out
+    }
+}
+
+/// Dequantizes whole blocks from caller-provided buffers, the inverse of
+/// [`quantize_rows_into`]: `packed` (two codes a byte, low nibble first) and one scale byte of
+/// `block_scales` per 16 values into `out`. Lengths must agree (`out` = 2 · `packed` = 16 ·
+/// `block_scales`); extra elements of the longer ones are left alone.
+pub fn dequantize_rows_into(
+    packed: &[u8],
+    block_scales: &[u8],
+    global_scale: f32,
+    out: &mut [f32],
+) {
+    let half_block = NVFP4_BLOCK / 2;
+    let blocks = out.chunks_exact_mut(NVFP4_BLOCK);
+    for ((values, block), &scale) in blocks
+        .zip(packed.chunks_exact(half_block))
+        .zip(block_scales)
+    {
+        let d = block_divisor(scale, global_scale);
+        for (pair, &byte) in values.chunks_exact_mut(2).zip(block) {
+            pair[0] = e2m1_decode(byte & 0xF) * d;
+            pair[1] = e2m1_decode(byte >> 4) * d;
+        }
     }
 }
 

@@ -958,11 +958,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         report.add_step("solve", seconds_since(t));
         if self.options.compare_rtn {
             let t = Instant::now();
-            let baseline = match hessian.as_deref() {
-                Some(h) => {
+            let baseline = match hessian {
+                Some(_) => {
                     let max = Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
                         .map_err(format_err)?;
-                    proxy_error(w, &max.dequantize(), inp, h)
+                    error_of(&max.dequantize())
                 }
                 None => max_calibration_diagonal_error(w, global, &diag).map_err(format_err)?,
             };
@@ -1113,29 +1113,20 @@ fn max_calibration_diagonal_error(
     global: f32,
     diag: &[f32],
 ) -> Result<f64, sala_formats::FormatError> {
-    use sala_formats::minifloat::e2m1_decode;
-    use sala_formats::nvfp4::{block_divisor, quantize_rows_into, NVFP4_BLOCK};
+    use sala_formats::nvfp4::{dequantize_rows_into, quantize_rows_into, NVFP4_BLOCK};
     let cols = diag.len().max(1);
-    let buffers = || (vec![0u8; cols / NVFP4_BLOCK], vec![0u8; cols / 2]);
+    let buffers = || {
+        let scales = vec![0u8; cols / NVFP4_BLOCK];
+        (scales, vec![0u8; cols / 2], vec![0f32; cols])
+    };
     // Rows in parallel, their sums added in row order; the first failing row names the error.
     let rows: Vec<Result<f64, sala_formats::FormatError>> = w
         .par_chunks(cols)
         .enumerate()
-        .map_init(buffers, |(scales, packed), (r, row)| {
+        .map_init(buffers, |(scales, packed, q), (r, row)| {
             quantize_rows_into(row, cols, global, r, true, scales, packed)?;
-            let mut sum = 0.0f64;
-            let blocks = row
-                .chunks_exact(NVFP4_BLOCK)
-                .zip(diag.chunks_exact(NVFP4_BLOCK));
-            for ((block, d), (codes, &scale)) in blocks.zip(packed.chunks_exact(8).zip(&*scales)) {
-                let divisor = block_divisor(scale, global);
-                for (k, (&a, &dk)) in block.iter().zip(d).enumerate() {
-                    let code = (codes[k / 2] >> (4 * (k % 2))) & 0xF;
-                    let q = e2m1_decode(code) * divisor;
-                    sum += dk as f64 * ((a - q) as f64).powi(2);
-                }
-            }
-            Ok(sum)
+            dequantize_rows_into(packed, scales, global, q);
+            Ok(row_diagonal_error(row, q, diag))
         })
         .collect();
     rows.into_iter().sum()
@@ -1148,15 +1139,18 @@ fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
     let rows: Vec<f64> = w
         .par_chunks_exact(cols)
         .zip(q.par_chunks_exact(cols))
-        .map(|(wr, qr)| {
-            wr.iter()
-                .zip(qr)
-                .zip(diag)
-                .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
-                .sum::<f64>()
-        })
+        .map(|(wr, qr)| row_diagonal_error(wr, qr, diag))
         .collect();
     rows.iter().sum()
+}
+
+/// `Σ_j d_j (w_j − q_j)²` of one row, summed in f64 in column order.
+fn row_diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
+    w.iter()
+        .zip(q)
+        .zip(diag)
+        .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
+        .sum::<f64>()
 }
 
 fn treatment_label(t: &Treatment) -> String {
