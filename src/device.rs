@@ -246,12 +246,27 @@ type CudaSolver = sala_kernels::DeviceSolver<
 fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     use sala_gptq::model::CudaFastOps;
     use sala_kernels::cuda::Cublas;
-    match Cublas::new(0) {
+    use sala_kernels::cuda::HopperAttention;
+    use std::io::Write;
+    let ops = match Cublas::new(0) {
         Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas)),
         Err(e) => {
-            use std::io::Write;
             let _ = writeln!(std::io::stderr(), "warning: linears on burn's matmul: {e}");
             CudaFastOps::attention_only()
+        }
+    };
+    // Hopper's own attention kernel where the device is one (compute capability 9.0); any
+    // other device keeps the CubeCL flash kernel, silently: that is the portable path, not a
+    // fault.
+    match HopperAttention::new(0) {
+        Ok(hopper) => ops.with_hopper_attention(Arc::new(hopper)),
+        Err(sala_kernels::KernelError::Unsupported { .. }) => ops,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "warning: attention on the CubeCL flash kernel: {e}"
+            );
+            ops
         }
     }
 }

@@ -99,7 +99,7 @@ pub fn flash_attention_supported<R: Runtime>(client: &ComputeClient<R>) -> bool 
 /// `[seq_start, seq_len, first_row]` of every cube's work item (rows numbered group-major
 /// within the sequence), longest key range first so that the long items near the end of a
 /// long sequence do not run alone at the end of the launch.
-fn work_list(offsets: &[usize], group: usize, rows_per_cube: usize) -> Vec<u32> {
+pub(crate) fn work_list(offsets: &[usize], group: usize, rows_per_cube: usize) -> Vec<u32> {
     let mut items = Vec::new();
     for w in offsets.windows(2) {
         let (start, len) = (w[0], w[1] - w[0]);

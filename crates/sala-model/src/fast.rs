@@ -254,8 +254,8 @@ mod cube {
     use cubecl::prelude::CubeElement;
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::cuda::{
-        blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, LinearShape,
-        XtxRun,
+        blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
+        HopperAttention, LinearShape, XtxRun,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -283,17 +283,39 @@ mod cube {
     #[derive(Debug, Clone, Default)]
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
+        hopper: Option<Arc<HopperAttention>>,
     }
 
     impl CudaFastOps {
         /// Attention only (linears stay on the graph's matmul).
         pub fn attention_only() -> Self {
-            Self { blas: None }
+            Self::default()
         }
 
         /// Attention, and linears through `blas`.
         pub fn with_cublas(blas: Arc<Cublas>) -> Self {
-            Self { blas: Some(blas) }
+            Self {
+                blas: Some(blas),
+                hopper: None,
+            }
+        }
+
+        /// The same, with bf16 attention of head dimension 128 on the Hopper kernel
+        /// (`wgmma`) instead of the CubeCL flash kernel (`mma.sync`).
+        pub fn with_hopper_attention(self, hopper: Arc<HopperAttention>) -> Self {
+            Self {
+                hopper: Some(hopper),
+                ..self
+            }
+        }
+
+        /// The kernel that bf16 attention of head dimension 128 runs on: `"hopper-wgmma"`
+        /// or `"flash-mma"` (for reports and benchmarks).
+        pub fn attention_kernel(&self) -> &'static str {
+            match self.hopper {
+                Some(_) => "hopper-wgmma",
+                None => "flash-mma",
+            }
         }
     }
 
@@ -689,9 +711,20 @@ mod cube {
             let flash = q.dtype == DType::BF16
                 && FLASH_HEAD_DIMS.contains(&head_dim)
                 && flash_attention_supported(&q.client);
-            let launched = match (q.dtype, &self.blas) {
+            let hopper = self
+                .hopper
+                .as_ref()
+                .filter(|_| q.dtype == DType::BF16 && HopperAttention::supports(&shape));
+            let launched = match (q.dtype, &self.blas, hopper) {
+                // bf16 on Hopper's warpgroup tensor-core instructions, any length.
+                (_, _, Some(hopper)) => hopper.run(
+                    &q.client,
+                    &shape,
+                    &offsets,
+                    [&q.handle, &k.handle, &v.handle, &out_handle],
+                ),
                 // bf16 on the tensor cores, any length.
-                (DType::BF16, _) if flash => flash_attention_bf16(
+                (DType::BF16, _, _) if flash => flash_attention_bf16(
                     &q.client,
                     &shape,
                     &offsets,
@@ -702,7 +735,7 @@ mod cube {
                 )
                 .map(|_| ()),
                 // Long bf16 sequences: scores and P·V as cuBLAS GEMMs per query block.
-                (DType::BF16, Some(blas)) if longest >= BLOCKED_ATTENTION_MIN_LEN => {
+                (DType::BF16, Some(blas), _) if longest >= BLOCKED_ATTENTION_MIN_LEN => {
                     blocked_causal_attention_bf16(
                         &q.client,
                         blas,
@@ -714,7 +747,7 @@ mod cube {
                         &out_handle,
                     )
                 }
-                (DType::BF16, _) => causal_gqa_attention::<R, half::bf16>(
+                (DType::BF16, _, _) => causal_gqa_attention::<R, half::bf16>(
                     &q.client,
                     &shape,
                     &offsets,
@@ -723,7 +756,7 @@ mod cube {
                     &v.handle,
                     &out_handle,
                 ),
-                (DType::F16, _) => causal_gqa_attention::<R, half::f16>(
+                (DType::F16, _, _) => causal_gqa_attention::<R, half::f16>(
                     &q.client,
                     &shape,
                     &offsets,
@@ -732,7 +765,7 @@ mod cube {
                     &v.handle,
                     &out_handle,
                 ),
-                (DType::F32, _) => causal_gqa_attention::<R, f32>(
+                (DType::F32, _, _) => causal_gqa_attention::<R, f32>(
                     &q.client,
                     &shape,
                     &offsets,
@@ -741,7 +774,7 @@ mod cube {
                     &v.handle,
                     &out_handle,
                 ),
-                (other, _) => {
+                (other, _, _) => {
                     return Err(ModelError::InvalidInput(format!(
                         "no attention kernel for {other:?} tensors"
                     )))

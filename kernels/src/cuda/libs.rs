@@ -10,7 +10,10 @@ use std::fmt;
 /// The libraries the CUDA path uses: `(cudarc name, what needs it)`.
 pub const CUDA_LIBRARIES: [(&str, &str); 5] = [
     ("cuda", "driver API (CubeCL runtime, contexts, streams)"),
-    ("nvrtc", "run-time compilation of the CubeCL kernels"),
+    (
+        "nvrtc",
+        "run-time compilation of the CubeCL kernels and HopperAttention",
+    ),
     ("cublas", "CublasGemm, xtx_bf16"),
     ("cublasLt", "loaded by cuBLAS"),
     ("cusolver", "inverse_upper_cusolver"),

@@ -10,7 +10,9 @@
 //! - [`DriverTransfer`]: host ↔ device copies through the driver (CubeCL's pinned staging is
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
-//!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel.
+//!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel;
+//! - [`HopperAttention`]: causal GQA flash attention on Hopper's warpgroup tensor-core
+//!   instructions, CUDA C++ compiled at run time by NVRTC for `sm_90a`.
 //!
 //! CubeCL's CUDA runtime retains the device's *primary* context, and so does
 //! [`cudarc::driver::CudaContext::new`]: both see one address space, so the device pointer of
@@ -26,6 +28,7 @@
 
 mod attention;
 mod blas;
+mod hopper_attention;
 mod libs;
 mod solver;
 mod transfer;
@@ -38,6 +41,7 @@ pub use blas::{
     linear_bf16, xtx_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape,
     XtxRun, XTX_BLOCK,
 };
+pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
 pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,

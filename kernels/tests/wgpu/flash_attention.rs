@@ -17,7 +17,7 @@ type Client = cubecl::prelude::ComputeClient<TestRuntime>;
 /// bf16 output of softmax weights that sum to 1 over values ~N(0, 1) (|out| ≲ 3): rounding
 /// the output (2⁻⁸ relative) and `P` before `P·V` gives errors of a few 1e-3 of max |out|;
 /// 2e-2 still catches any indexing or masking mistake (those are O(1)).
-const TOLERANCE: f64 = 2e-2;
+pub(crate) const TOLERANCE: f64 = 2e-2;
 
 fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&x| bf16::from_f32(x)).collect()
@@ -32,7 +32,7 @@ fn upload(client: &Client, values: &[f32]) -> Handle {
 }
 
 /// The inputs rounded to bf16 (what the kernel sees, and so what the reference gets).
-fn bf16_inputs(x: Inputs) -> Inputs {
+pub(crate) fn bf16_inputs(x: Inputs) -> Inputs {
     Inputs {
         q: rounded(&x.q),
         k: rounded(&x.k),
@@ -49,13 +49,25 @@ fn run(
     x: &Inputs,
     planes: usize,
 ) -> Result<Vec<f32>, KernelError> {
+    run_with(client, x, |q, k, v, out| {
+        flash_attention_bf16_with(client, shape, offsets, planes, [q, k, v, out]).map(|_| ())
+    })
+}
+
+/// Uploads `x` as bf16, runs `launch(q, k, v, out)` with `out` poisoned with NaN (a row it
+/// fails to write shows) and returns the output as f32.
+pub(crate) fn run_with(
+    client: &Client,
+    x: &Inputs,
+    launch: impl FnOnce(&Handle, &Handle, &Handle, &Handle) -> Result<(), KernelError>,
+) -> Result<Vec<f32>, KernelError> {
     let out = upload(client, &vec![f32::NAN; x.q.len()]);
     let (q, k, v) = (
         upload(client, &x.q),
         upload(client, &x.k),
         upload(client, &x.v),
     );
-    flash_attention_bf16_with(client, shape, offsets, planes, [&q, &k, &v, &out])?;
+    launch(&q, &k, &v, &out)?;
     let bytes = client.read_one(out).map_err(|e| KernelError::Read {
         what: "flash attention output",
         message: format!("{e:?}"),

@@ -15,6 +15,8 @@ mod gla;
 mod gptq;
 mod hessian;
 mod hessian_ops;
+#[cfg(feature = "cuda")]
+mod hopper_attention;
 mod memory;
 mod softmax;
 mod solver;

@@ -1,0 +1,176 @@
+"""Checks and times the Hopper flash-attention kernel (kernels/src/cuda/flash_attention_sm90.cu)
+on the GPU machine, outside the Rust build: NVRTC (ctypes) compiles it for sm_90a, CuPy launches
+it on PyTorch tensors, PyTorch in f32 is the reference and PyTorch's bf16 SDPA the peer.
+
+    python3 bench/flash_sm90.py [--source FILE.cu] [--smem BYTES] [OUT.json]
+
+Prints a table; with OUT.json writes every figure there. `--source` checks another version of
+the kernel (same entry point and arguments), `--smem` its dynamic shared memory."""
+import argparse, ctypes, glob, json, math, os, sys, time
+
+import cupy
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "..", "kernels", "src", "cuda", "flash_attention_sm90.cu")
+SMEM = 5 * 128 * 128 * 2 + 1024
+ROWS = 128
+D = 128
+
+
+def nvrtc():
+    names = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+    for pattern in ["/usr/local/cuda*/lib64/libnvrtc.so*", "/usr/local/cuda*/targets/*/lib/libnvrtc.so*",
+                    os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libnvrtc.so*")]:
+        names += sorted(glob.glob(pattern))
+    for n in names:
+        try:
+            return ctypes.CDLL(n), n
+        except OSError:
+            pass
+    raise SystemExit("no libnvrtc")
+
+
+def compile_cubin():
+    lib, name = nvrtc()
+    prog = ctypes.c_void_p()
+    src = open(ARGS.source).read().encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"flash_attention_sm90.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if rc != 0:
+        raise SystemExit(f"nvrtc {name} failed ({rc}):\n{log.value.decode()}")
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    cubin = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, cubin)
+    path = "/tmp/flash_sm90.cubin"
+    open(path, "wb").write(cubin.raw)
+    return path, name
+
+
+def work_list(lengths, group):
+    items, start = [], 0
+    for n in lengths:
+        rows = n * group
+        for f0 in range(0, rows, ROWS):
+            last = (min(f0 + ROWS, rows) - 1) // group
+            items.append(((start, n, f0), last))
+        start += n
+    items.sort(key=lambda x: -x[1])
+    return [x for item, _ in items for x in item]
+
+
+class Kernel:
+    def __init__(self):
+        path, self.nvrtc = compile_cubin()
+        self.fn = cupy.RawModule(path=path).get_function("sala_flash_attention_sm90")
+        self.fn.max_dynamic_shared_size_bytes = ARGS.smem
+
+    def __call__(self, q, k, v, out, lengths, work=None):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if work is None:
+            work = torch.tensor(work_list(lengths, heads // kv_heads), dtype=torch.int32, device="cuda")
+        items = work.numel() // 3
+        c = lambda t: cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+        self.fn((items * kv_heads,), (256,),
+                (c(q), c(k), c(v), c(out), c(work), cupy.uint32(items), cupy.uint32(heads),
+                 cupy.uint32(kv_heads), cupy.float32(D ** -0.5 * math.log2(math.e))),
+                shared_mem=ARGS.smem)
+        return work
+
+
+def reference(q, k, v, lengths):
+    heads, kv_heads = q.shape[1], k.shape[1]
+    g = heads // kv_heads
+    outs, s = [], 0
+    for n in lengths:
+        qs = q[s:s + n].float().transpose(0, 1)
+        ks = k[s:s + n].float().repeat_interleave(g, dim=1).transpose(0, 1)
+        vs = v[s:s + n].float().repeat_interleave(g, dim=1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        s += n
+    return torch.cat(outs)
+
+
+def inputs(lengths, heads, kv_heads, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = sum(lengths)
+    mk = lambda h: torch.randn(t, h, D, device="cuda", generator=g).to(torch.bfloat16)
+    return mk(heads), mk(kv_heads), mk(kv_heads)
+
+
+def check(kernel, lengths, heads, kv_heads, seed):
+    q, k, v = inputs(lengths, heads, kv_heads, seed)
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k, v, out, lengths)
+    torch.cuda.synchronize()
+    ref = reference(q, k, v, lengths)
+    o = out.float()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    return {"lengths": lengths, "heads": heads, "kv_heads": kv_heads, "rel_err": rel,
+            "max_abs": (o - ref).abs().max().item(), "nan": bool(torch.isnan(o).any().item())}
+
+
+def timed(fn, reps=5):
+    fn(); torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def speed(kernel, lengths, heads, kv_heads):
+    q, k, v = inputs(lengths, heads, kv_heads, 7)
+    out = torch.empty_like(q)
+    work = kernel(q, k, v, out, lengths)
+    ours = timed(lambda: kernel(q, k, v, out, lengths, work))
+    def torch_sdpa():
+        s = 0
+        for n in lengths:
+            F.scaled_dot_product_attention(q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None],
+                                           v[s:s + n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            s += n
+    peer = timed(torch_sdpa)
+    ref = torch.cat([F.scaled_dot_product_attention(q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None],
+                     v[s:s + n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                     for s, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)])
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    flop = sum(2.0 * n * (n + 1) * D * heads for n in lengths)
+    return {"lengths": f"{lengths[0]}x{len(lengths)}", "heads": heads, "kv_heads": kv_heads, "ours_s": ours,
+            "torch_s": peer, "ours_tflops": flop / ours / 1e12, "torch_tflops": flop / peer / 1e12,
+            "rel_vs_torch": rel}
+
+
+def main():
+    kernel = Kernel()
+    result = {"device": torch.cuda.get_device_name(), "nvrtc": kernel.nvrtc, "torch": torch.__version__,
+              "flop": "2·L·(L+1)·128·heads per sequence (causal QKᵀ and PV)", "checks": [], "speed": []}
+    cases = [([1], 32, 2), ([7, 1, 130], 32, 2), ([129, 300, 1000, 5], 32, 2), ([257, 64], 4, 2),
+             ([333, 1], 8, 8), ([2048], 32, 2), ([100, 700], 16, 1)]
+    for seed, (lengths, h, kv) in enumerate(cases):
+        r = check(kernel, lengths, h, kv, seed)
+        result["checks"].append(r)
+        print(f"check {lengths} h={h} kv={kv}: rel {r['rel_err']:.2e} max {r['max_abs']:.2e} nan {r['nan']}", flush=True)
+    for lengths, h, kv in [([1024] * 16, 32, 2), ([16384], 32, 2), ([131072], 32, 2)]:
+        r = speed(kernel, lengths, h, kv)
+        result["speed"].append(r)
+        print(f"speed {r['lengths']}: ours {r['ours_s']*1e3:.2f} ms {r['ours_tflops']:.0f} TFLOP/s, torch "
+              f"{r['torch_s']*1e3:.2f} ms {r['torch_tflops']:.0f} TFLOP/s, rel vs torch {r['rel_vs_torch']:.2e}", flush=True)
+    if ARGS.out:
+        json.dump(result, open(ARGS.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--source", default=SOURCE)
+    parser.add_argument("--smem", type=int, default=SMEM)
+    ARGS = parser.parse_args()
+    main()

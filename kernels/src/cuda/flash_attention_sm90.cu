@@ -1,0 +1,314 @@
+// Causal grouped-query flash attention for Hopper (sm_90a): both products on the warpgroup
+// tensor-core instructions (`wgmma.mma_async`), K/V tiles staged by `cp.async` two deep.
+//
+// Compiled at run time by NVRTC for `sm_90a` (see `hopper_attention.rs`); no headers: bf16
+// values travel as raw 16-bit patterns and are converted by PTX.
+//
+// Contract (that of `causal_gqa_attention` in `attention.rs`, bf16, head_dim 128):
+//   q, out [tokens, heads, 128]; k, v [tokens, kv_heads, 128], row-major, sequences back to
+//   back; query head h reads KV head h / group (group = heads / kv_heads);
+//   out[t, h] = softmax_j(scale · q[t, h]·k[j, h/group]) · v[j, h/group] over the keys j <= t
+//   of t's sequence.
+//
+// Tiling. A *row* is one (token, query head) pair; for KV head kv the rows of one sequence are
+// numbered group-major, f = token · group + j for query head kv · group + j, so one staged K/V
+// tile serves the whole group. A block of 256 threads (two warpgroups) owns ROWS = 128
+// consecutive rows of one sequence and one KV head (a work item: [sequence start, sequence
+// length, first row], block b taking item b / kv_heads and KV head b % kv_heads). Warpgroup w
+// owns rows 64w..64w+63: the M of its products. Per tile of KEYS = 128 keys, from the
+// sequence's first key to the block's last token (tiles above the diagonal are never read):
+//   1. S = Q·Kᵀ (64 × 128 per warpgroup, f32 in registers), Q and K from shared memory;
+//   2. the online softmax per row in the base-2 domain (the scale folded into one FMA), keys
+//      past a row's token masked; a row's four lanes combine maxima by shuffles, the sums are
+//      combined once at the end;
+//   3. O += P·V with P rounded to bf16 in registers: the accumulator layout of S lines up
+//      with the register operand layout of the product, so P never leaves registers.
+// The tile after the current one is in flight (cp.async) while the current one is computed.
+//
+// Shared memory holds every tile in the 128-byte swizzled layout the tensor cores read: a
+// tile of R rows × 128 bf16 is two halves (columns 0..63, 64..127) of R rows × 128 bytes,
+// the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of that row.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define HEAD_DIM 128
+#define ROWS 128
+#define KEYS 128
+#define THREADS 256
+#define TILE_BYTES (128 * HEAD_DIM * 2)
+// Q, two K stages, two V stages, and slack to align the base to the 1024-byte swizzle atom.
+#define SMEM_BYTES (5 * TILE_BYTES + 1024)
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+/// Byte offset of 16-byte chunk `chunk` (0..15) of row `row` in a swizzled tile of `rows` rows.
+__device__ __forceinline__ u32 swizzled(u32 rows, u32 row, u32 chunk) {
+  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// Makes this thread's shared-memory writes visible to the tensor cores (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+/// stride byte offsets (bytes, multiples of 16).
+__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
+  return static_cast<u64>((address & 0x3FFFF) >> 4) | (static_cast<u64>(leading >> 4) << 16) |
+         (static_cast<u64>(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/// Two f32 rounded to a bf16 pair, `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The two warpgroup matrix products the kernel is built on, m64n128k16 bf16 -> f32. Each thread
+// of the warpgroup holds 64 accumulators `d`: for n-chunk i (columns 8i..8i+7) d[4i], d[4i+1]
+// are row `lane/4` and d[4i+2], d[4i+3] row `lane/4 + 8` of its warp's 16 rows, at columns
+// 8i + 2(lane%4) and the next. The operand lists name all 64 accumulators.
+
+/// `d (+)= A·B` for a 64×128 f32 tile, A (64×16) and B (16×128, K-major) bf16 in shared
+/// memory (descriptors); `accumulate == 0` overwrites `d`.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+/// `d += A·B` for a 64×128 f32 tile, A (64×16) bf16 from registers (four bf16 pairs per
+/// thread, per warp the `mma.m16n8k16` A layout), B (16×128) bf16 in shared memory, N-major.
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+/// Keeps the compiler from moving reads or writes of `d` across the asynchronous products.
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/// Stages keys `tile·KEYS ..` of KV head `kv` (K and V) into the tiles at `sk`, `sv`; keys past
+/// the sequence read its last key (masked later), so every staged value is defined.
+__device__ __forceinline__ void stage_kv(const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                                         u32 sk, u32 sv, u32 tile, u32 seq_start, u32 seq_len,
+                                         u32 kv_heads, u32 kv) {
+#pragma unroll
+  for (u32 i = threadIdx.x; i < KEYS * 16; i += THREADS) {
+    const u32 r = i >> 4, chunk = i & 15;
+    const u32 key = min(tile * KEYS + r, seq_len - 1);
+    const u64 at = (static_cast<u64>(seq_start + key) * kv_heads + kv) * HEAD_DIM + chunk * 8;
+    const u32 offset = swizzled(KEYS, r, chunk);
+    cp_async16(sk + offset, k + at);
+    cp_async16(sv + offset, v + at);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    sala_flash_attention_sm90(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                              const bf16_t* __restrict__ v, bf16_t* __restrict__ out,
+                              const u32* __restrict__ work, u32 items, u32 heads, u32 kv_heads,
+                              float scale_log2) {
+  extern __shared__ unsigned char smem[];
+  const u32 base = (shared_address(smem) + 1023u) & ~1023u;
+  const u32 sq = base;
+  const u32 sk0 = base + TILE_BYTES, sv0 = base + 3 * TILE_BYTES;
+
+  const u32 item = blockIdx.x / kv_heads, kv = blockIdx.x % kv_heads;
+  if (item >= items) return;
+  const u32 seq_start = work[3 * item], seq_len = work[3 * item + 1], f0 = work[3 * item + 2];
+  const u32 group = heads / kv_heads;
+  const u32 rows = seq_len * group;
+  const u32 first_token = f0 / group;
+  const u32 last_token = (min(f0 + ROWS, rows) - 1) / group;
+  const u32 tiles = last_token / KEYS + 1;
+
+  // Q, once: row r is (token, head) of row f0 + r, clamped into the sequence (never stored).
+#pragma unroll
+  for (u32 i = threadIdx.x; i < ROWS * 16; i += THREADS) {
+    const u32 r = i >> 4, chunk = i & 15;
+    const u32 f = min(f0 + r, rows - 1);
+    const u64 at =
+        (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM +
+        chunk * 8;
+    cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
+  }
+  stage_kv(k, v, sk0, sv0, 0, seq_start, seq_len, kv_heads, kv);
+  cp_async_commit();
+
+  const u32 warpgroup = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const u32 row0 = warpgroup * 64 + warp * 16 + (lane >> 2);
+  const u32 token0 = min(f0 + row0, rows - 1) / group;
+  const u32 token1 = min(f0 + row0 + 8, rows - 1) / group;
+  const u32 column = 2 * (lane & 3);
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
+
+  for (u32 tile = 0; tile < tiles; ++tile) {
+    const u32 stage = tile & 1;
+    const u32 sk = sk0 + stage * TILE_BYTES, sv = sv0 + stage * TILE_BYTES;
+    if (tile + 1 < tiles) {
+      // The other stage was last read in the previous tile, which ended with a barrier.
+      stage_kv(k, v, sk0 + (stage ^ 1) * TILE_BYTES, sv0 + (stage ^ 1) * TILE_BYTES, tile + 1,
+               seq_start, seq_len, kv_heads, kv);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    // 1. S = Q·Kᵀ over the head dimension, 16 at a time (4 steps per 64-column half).
+    float s[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (u32 step = 0; step < 8; ++step) {
+      const u32 half = step >> 2, within = (step & 3) * 32;
+      const u64 a = descriptor(sq + half * ROWS * 128 + warpgroup * 64 * 128 + within, 16, 1024);
+      const u64 b = descriptor(sk + half * KEYS * 128 + within, 16, 1024);
+      wgmma_ss(s, a, b, 1);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(s);
+
+    // 2. Mask, online softmax (base 2), rescale O.
+    if (tile * KEYS + KEYS - 1 > first_token) {
+#pragma unroll
+      for (u32 i = 0; i < 16; ++i) {
+#pragma unroll
+        for (u32 e = 0; e < 2; ++e) {
+          const u32 key = tile * KEYS + 8 * i + column + e;
+          if (key > token0) s[4 * i + e] = NEG_INF;
+          if (key > token1) s[4 * i + 2 + e] = NEG_INF;
+        }
+      }
+    }
+    float new0 = max0, new1 = max1;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      new0 = fmaxf(new0, fmaxf(s[4 * i], s[4 * i + 1]));
+      new1 = fmaxf(new1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 1));
+    new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 2));
+    new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 1));
+    new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 2));
+    // Every visited tile holds at least one key <= each row's token: the maxima are finite.
+    const float alpha0 = exp2f((max0 - new0) * scale_log2);
+    const float alpha1 = exp2f((max1 - new1) * scale_log2);
+    max0 = new0;
+    max1 = new1;
+    const float bias0 = new0 * scale_log2, bias1 = new1 * scale_log2;
+    float part0 = 0.0f, part1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      s[4 * i] = exp2f(fmaf(s[4 * i], scale_log2, -bias0));
+      s[4 * i + 1] = exp2f(fmaf(s[4 * i + 1], scale_log2, -bias0));
+      s[4 * i + 2] = exp2f(fmaf(s[4 * i + 2], scale_log2, -bias1));
+      s[4 * i + 3] = exp2f(fmaf(s[4 * i + 3], scale_log2, -bias1));
+      part0 += s[4 * i] + s[4 * i + 1];
+      part1 += s[4 * i + 2] + s[4 * i + 3];
+      o[4 * i] *= alpha0;
+      o[4 * i + 1] *= alpha0;
+      o[4 * i + 2] *= alpha1;
+      o[4 * i + 3] *= alpha1;
+    }
+    sum0 = sum0 * alpha0 + part0;
+    sum1 = sum1 * alpha1 + part1;
+
+    // 3. O += P·V over the tile's keys, 16 at a time; P's operand for keys 16j.. is built
+    //    from the accumulators of column chunks 2j and 2j + 1.
+    u32 p[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      p[j][0] = pack_bf16(s[8 * j], s[8 * j + 1]);
+      p[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
+      p[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
+      p[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (u32 j = 0; j < 8; ++j) {
+      // V is N-major: the two 64-column halves lie KEYS·128 bytes apart (leading offset),
+      // groups of 8 keys 1024 bytes apart (stride offset).
+      wgmma_rs(o, p[j], descriptor(sv + j * 16 * 128, KEYS * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(o);
+    __syncthreads();
+  }
+
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+  const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
+#pragma unroll
+  for (u32 half = 0; half < 2; ++half) {
+    const u32 f = f0 + row0 + 8 * half;
+    if (f >= rows) continue;
+    const float inv = half ? inv1 : inv0;
+    bf16_t* dst =
+        out + (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM;
+#pragma unroll
+    for (u32 i = 0; i < 16; ++i) {
+      *reinterpret_cast<u32*>(dst + 8 * i + column) =
+          pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+    }
+  }
+}

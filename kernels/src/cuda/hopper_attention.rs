@@ -1,0 +1,204 @@
+//! Causal GQA flash attention on Hopper's warpgroup tensor-core instructions:
+//! [`HopperAttention`].
+//!
+//! Same contract as [`causal_gqa_attention`](crate::attention::causal_gqa_attention) for bf16
+//! buffers with a head dimension of [`HOPPER_HEAD_DIM`]. The kernel
+//! (`flash_attention_sm90.cu`, beside this file, which describes its tiling) is CUDA C++
+//! compiled at run time by NVRTC for `sm_90a`: CubeCL 0.10 emits `mma.sync` but not the
+//! warpgroup products (`wgmma.mma_async`), which only exist for compute capability 9.0 with
+//! the architecture-specific target. Both products run on `wgmma` (`HGMMA` in the SASS), S
+//! and P stay in registers, and the K/V tiles of the next step are copied (`cp.async`) while
+//! the current one is computed.
+//!
+//! The kernel runs on a stream of its own: [`HopperAttention::run`] waits for CubeCL's queued
+//! work first and for its stream after, like the cuBLAS wrappers.
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use super::{driver_error, guarded, handle_ptr, libs, sync_client, LibStream};
+use crate::attention::{check_inputs, AttentionShape};
+use crate::error::KernelError;
+use crate::flash_attention::work_list;
+
+/// The kernel's source (CUDA C++, no headers).
+const SOURCE: &str = include_str!("flash_attention_sm90.cu");
+
+/// The kernel's entry point in [`SOURCE`].
+const ENTRY: &str = "sala_flash_attention_sm90";
+
+/// The head dimension the kernel is written for.
+pub const HOPPER_HEAD_DIM: usize = 128;
+
+/// Rows (token, query head pairs) per thread block: two warpgroups of 64.
+pub const HOPPER_ROWS_PER_BLOCK: usize = 128;
+
+/// Threads per block: two warpgroups.
+const THREADS: u32 = 256;
+
+/// Dynamic shared memory per block: the Q tile, two K and two V tiles (128 × 128 bf16 each),
+/// and 1024 bytes to align them to the swizzle pattern.
+const SHARED_BYTES: u32 = 5 * 128 * 128 * 2 + 1024;
+
+/// The Hopper attention kernel, compiled and loaded on one device.
+#[derive(Debug)]
+pub struct HopperAttention {
+    lib: LibStream,
+    function: CudaFunction,
+}
+
+// SAFETY: the function handle belongs to the module held by the context, which CUDA lets any
+// thread use once the context is bound (`run` binds it); launches go to one stream.
+unsafe impl Send for HopperAttention {}
+// SAFETY: as above; concurrent `run`s serialise on the stream.
+unsafe impl Sync for HopperAttention {}
+
+impl HopperAttention {
+    /// Compiles the kernel for device `ordinal` (0 for CubeCL's default device) and loads it.
+    ///
+    /// [`KernelError::Unsupported`] unless the device has compute capability 9.0 (H100,
+    /// H200) and the opt-in shared memory the kernel needs; [`KernelError::Launch`] when
+    /// NVRTC is missing or the compile or load fails (its log in the message).
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        libs::require("nvrtc", "HopperAttention")?;
+        guarded("Hopper attention", || {
+            let lib = LibStream::new(ordinal)?;
+            lib.bind()?;
+            let ctx = lib.context();
+            let capability = ctx
+                .compute_capability()
+                .map_err(|e| driver_error("compute capability", e))?;
+            if capability != (9, 0) {
+                return Err(KernelError::unsupported(
+                    "Hopper attention device",
+                    format!(
+                        "compute capability {}.{} (the kernel is built for sm_90a: 9.0 only)",
+                        capability.0, capability.1
+                    ),
+                ));
+            }
+            let optin = ctx
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(|e| driver_error("shared memory per block", e))?;
+            if (optin as i64) < SHARED_BYTES as i64 {
+                return Err(KernelError::unsupported(
+                    "Hopper attention device",
+                    format!("{optin} bytes of shared memory per block ({SHARED_BYTES} needed)"),
+                ));
+            }
+            let options = CompileOptions {
+                arch: Some("sm_90a"),
+                options: vec!["-std=c++17".into()],
+                use_fast_math: Some(true),
+                name: Some("flash_attention_sm90.cu".into()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(SOURCE, options).map_err(|e| KernelError::Launch {
+                what: "Hopper attention (NVRTC compile)",
+                message: e.to_string(),
+            })?;
+            let module = ctx
+                .load_module(ptx)
+                .map_err(|e| driver_error("Hopper attention (module load)", e))?;
+            let function = module
+                .load_function(ENTRY)
+                .map_err(|e| driver_error("Hopper attention (function)", e))?;
+            function
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    SHARED_BYTES as i32,
+                )
+                .map_err(|e| driver_error("Hopper attention (shared memory)", e))?;
+            Ok(Self { lib, function })
+        })
+    }
+
+    /// Whether the kernel computes `shape`: head dimension [`HOPPER_HEAD_DIM`] and a positive
+    /// finite scale (the online softmax takes maxima of unscaled scores).
+    pub fn supports(shape: &AttentionShape) -> bool {
+        shape.head_dim == HOPPER_HEAD_DIM && shape.scale.is_finite() && shape.scale > 0.0
+    }
+
+    /// `out[t, h, :] = Σ_j softmax_j(scale · q[t, h, :]·k[j, h/group, :]) · v[j, h/group, :]`
+    /// over the keys `j ≤ t` of `t`'s sequence, buffers `[q, k, v, out]` bf16 in the layouts and
+    /// with the checks of [`causal_gqa_attention`](crate::attention::causal_gqa_attention).
+    /// [`KernelError::Unsupported`] for a shape outside [`supports`](Self::supports). Returns
+    /// once the output is written.
+    pub fn run(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        shape: &AttentionShape,
+        offsets: &[usize],
+        [q, k, v, out]: [&Handle; 4],
+    ) -> Result<(), KernelError> {
+        check_inputs(shape, offsets, size_of::<half::bf16>(), [q, k, v, out])?;
+        if !Self::supports(shape) {
+            return Err(KernelError::unsupported(
+                "Hopper attention shape",
+                format!(
+                    "head_dim {} and scale {} (needs head_dim {HOPPER_HEAD_DIM} and a positive scale)",
+                    shape.head_dim, shape.scale
+                ),
+            ));
+        }
+        let work = work_list(offsets, shape.group(), HOPPER_ROWS_PER_BLOCK);
+        let items = work.len() / 3;
+        if items == 0 {
+            return Ok(());
+        }
+        let blocks = items
+            .checked_mul(shape.kv_heads)
+            .and_then(|b| u32::try_from(b).ok())
+            .filter(|&b| b <= i32::MAX as u32)
+            .ok_or_else(|| {
+                KernelError::unsupported(
+                    "Hopper attention grid",
+                    format!("{items} work items × {} KV heads", shape.kv_heads),
+                )
+            })?;
+        // `check_inputs` bounded the token count by 32-bit indexing: these fit.
+        let (items, heads, kv_heads) = (items as u32, shape.heads as u32, shape.kv_heads as u32);
+        let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
+        sync_client(client)?;
+        self.lib.bind()?;
+        let (q, k) = (handle_ptr(client, q)?, handle_ptr(client, k)?);
+        let (v, out) = (handle_ptr(client, v)?, handle_ptr(client, out)?);
+        guarded("Hopper attention (launch)", || {
+            let stream = self.lib.stream();
+            let work = stream
+                .clone_htod(&work)
+                .map_err(|e| driver_error("Hopper attention (work list)", e))?;
+            let config = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: SHARED_BYTES,
+            };
+            let mut launch = stream.launch_builder(&self.function);
+            launch
+                .arg(&q)
+                .arg(&k)
+                .arg(&v)
+                .arg(&out)
+                .arg(&work)
+                .arg(&items)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&scale_log2);
+            // SAFETY: the arguments match the kernel's signature (four bf16 pointers, the
+            // work list, three u32 and an f32); every index it forms stays inside its
+            // buffer: `check_inputs` checked the buffers against the shape and the offsets,
+            // the work list was built from those offsets (rows past a sequence are clamped to
+            // its last token and never stored, keys past it read its last key), and the grid
+            // is `items · kv_heads` blocks.
+            unsafe { launch.launch(config) }
+                .map_err(|e| driver_error("Hopper attention (launch)", e))?;
+            self.lib.synchronize("Hopper attention")
+        })
+    }
+}
