@@ -29,6 +29,9 @@
 //!   tensor cores, in f32 precision ([`simple_gla_bf16`]);
 //! - [`softmax`]: the causally masked row softmax of blocked (cuBLAS) attention
 //!   ([`causal_softmax_rows`]);
+//! - `cuda` (feature `cuda`): NVIDIA's libraries on CubeCL's buffers (cuBLAS GEMMs and
+//!   Hessians, the cuSOLVER inverse, the driver's staged copies) and `HopperAttention`, the
+//!   attention on Hopper's warpgroup instructions (CUDA C++ compiled by NVRTC);
 //! - [`error`]: the one error type, [`KernelError`].
 
 pub mod attention;
