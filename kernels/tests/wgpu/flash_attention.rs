@@ -141,33 +141,17 @@ fn large_scores_stay_finite_and_exact_enough() {
 
 #[test]
 fn scores_growing_along_the_sequence_rescale_the_output_exactly_enough() {
-    // Keys grow with their position, so each row's maximum keeps rising tile after tile:
-    // the lazy rescaling of the accumulators runs many times.
     let Some(client) = client() else {
         return;
     };
     if !flash_attention_supported(&client) {
         return;
     }
-    let mut rng = Rng::new(54);
-    let shape = shape(32, 2, 128);
-    let tokens = 400;
-    let mut x = Inputs::random(&mut rng, &shape, tokens);
-    for q in x.q.iter_mut() {
-        *q = q.abs();
-    }
-    let row = shape.kv_heads * shape.head_dim;
-    for (j, key) in x.k.chunks_mut(row).enumerate() {
-        let grow = 1.0 + j as f32 / 25.0;
-        key.iter_mut().for_each(|v| *v = v.abs() * grow);
-    }
-    let x = bf16_inputs(x);
-    let offsets = offsets_of(&[tokens]);
-    let got = run(&client, &shape, &offsets, &x, 4).unwrap();
-    let (want, max_score) = reference(&shape, &offsets, &x);
-    assert!(max_score > 100.0, "{max_score}");
-    let err = rel_error(&got, &want);
-    assert!(err < TOLERANCE, "error {err:e}");
+    check_growing_scores(
+        &|shape, offsets, x| run(&client, shape, offsets, x, 4).unwrap(),
+        54,
+        400,
+    );
 }
 
 #[test]
@@ -180,13 +164,50 @@ fn a_packed_run_equals_each_sequence_alone_bit_for_bit() {
     if !flash_attention_supported(&client) {
         return;
     }
-    let mut rng = Rng::new(53);
+    check_packed_equals_alone(
+        &|shape, offsets, x| run(&client, shape, offsets, x, 4).unwrap(),
+        53,
+        &[3, 90, 17],
+    );
+}
+
+/// A bf16 attention kernel under test: its output for `(shape, offsets, inputs)`.
+pub(crate) type Kernel<'a> =
+    &'a dyn Fn(&sala_kernels::AttentionShape, &[usize], &Inputs) -> Vec<f32>;
+
+/// Keys growing with their position (each row's maximum keeps rising tile after tile, so the
+/// lazy rescaling of the accumulators runs many times) over one sequence of `tokens`, against
+/// the f64 reference, at the model's shape.
+pub(crate) fn check_growing_scores(kernel: Kernel<'_>, seed: u64, tokens: usize) {
+    let mut rng = Rng::new(seed);
+    let shape = shape(32, 2, 128);
+    let mut x = Inputs::random(&mut rng, &shape, tokens);
+    for q in x.q.iter_mut() {
+        *q = q.abs();
+    }
+    let row = shape.kv_heads * shape.head_dim;
+    for (j, key) in x.k.chunks_mut(row).enumerate() {
+        let grow = 1.0 + j as f32 / 25.0;
+        key.iter_mut().for_each(|v| *v = v.abs() * grow);
+    }
+    let x = bf16_inputs(x);
+    let offsets = offsets_of(&[tokens]);
+    let got = kernel(&shape, &offsets, &x);
+    let (want, max_score) = reference(&shape, &offsets, &x);
+    assert!(max_score > 100.0, "{max_score}");
+    let err = rel_error(&got, &want);
+    assert!(err < TOLERANCE, "error {err:e}");
+}
+
+/// A pack of sequences of `lengths` equals each sequence run alone, bit for bit, at the
+/// model's shape.
+pub(crate) fn check_packed_equals_alone(kernel: Kernel<'_>, seed: u64, lengths: &[usize]) {
+    let mut rng = Rng::new(seed);
     let (heads, kv_heads, d) = (32, 2, 128);
     let shape = shape(heads, kv_heads, d);
-    let lengths = [3, 90, 17];
-    let offsets = offsets_of(&lengths);
+    let offsets = offsets_of(lengths);
     let x = bf16_inputs(Inputs::random(&mut rng, &shape, *offsets.last().unwrap()));
-    let packed = run(&client, &shape, &offsets, &x, 4).unwrap();
+    let packed = kernel(&shape, &offsets, &x);
     for w in offsets.windows(2) {
         let (start, end) = (w[0], w[1]);
         let slice = |data: &[f32], h: usize| data[start * h * d..end * h * d].to_vec();
@@ -195,7 +216,7 @@ fn a_packed_run_equals_each_sequence_alone_bit_for_bit() {
             k: slice(&x.k, kv_heads),
             v: slice(&x.v, kv_heads),
         };
-        let got = run(&client, &shape, &[0, end - start], &alone, 4).unwrap();
+        let got = kernel(&shape, &[0, end - start], &alone);
         assert_eq!(got, packed[start * heads * d..end * heads * d].to_vec());
     }
 }

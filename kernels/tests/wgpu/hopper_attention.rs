@@ -1,16 +1,19 @@
 //! `HopperAttention` (CUDA only: `wgmma`, compiled by NVRTC for sm_90a) against the f64
 //! reference of the attention tests, on bf16-rounded inputs: varlen packs whose sequences end
 //! inside a 128-key tile and inside a block, several tiles, GQA groups that do and do not
-//! divide a block's 128 rows, scores large enough to test the online rescaling, and a pack
-//! equal to each sequence alone. On a CUDA device other than compute capability 9.0 the
-//! constructor must refuse (checked), and the test stops with a notice.
+//! divide a block's 128 rows, scores growing along the sequence (the online rescaling), and a
+//! pack equal to each sequence alone. On a CUDA device other than compute capability 9.0 the
+//! constructor refuses with `Unsupported` (any other error fails) and the tests stop with a
+//! notice.
 
 use sala_kernels::cuda::HopperAttention;
 use sala_kernels::{AttentionShape, KernelError};
 
 use crate::attention::{offsets_of, reference, rel_error, shape, Inputs};
 use crate::common::{client, Rng, TestRuntime};
-use crate::flash_attention::{bf16_inputs, run_with, TOLERANCE};
+use crate::flash_attention::{
+    bf16_inputs, check_growing_scores, check_packed_equals_alone, run_with, TOLERANCE,
+};
 
 type Client = cubecl::prelude::ComputeClient<TestRuntime>;
 
@@ -67,29 +70,15 @@ fn matches_the_reference_on_varlen_packs_and_head_configs() {
 }
 
 #[test]
-fn large_and_growing_scores_rescale_exactly_enough() {
-    // Keys grow with their position (each row's maximum keeps rising tile after tile) and
-    // scores reach ~±150: the online softmax must rescale without overflow.
+fn growing_scores_rescale_the_output_exactly_enough() {
+    // 600 tokens: five key tiles, each row's maximum rising in every one.
     let (Some(client), Some(kernel)) = (client(), kernel()) else {
         return;
     };
-    let mut rng = Rng::new(82);
-    let shape = shape(32, 2, 128);
-    let tokens = 600;
-    let mut x = Inputs::random(&mut rng, &shape, tokens);
-    x.q.iter_mut().for_each(|v| *v = v.abs() * 2.0);
-    let row = shape.kv_heads * shape.head_dim;
-    for (j, key) in x.k.chunks_mut(row).enumerate() {
-        let grow = 1.0 + j as f32 / 40.0;
-        key.iter_mut().for_each(|v| *v = v.abs() * grow);
-    }
-    let x = bf16_inputs(x);
-    let offsets = offsets_of(&[tokens]);
-    let got = run(&client, &kernel, &shape, &offsets, &x);
-    let (want, max_score) = reference(&shape, &offsets, &x);
-    assert!(max_score > 100.0, "{max_score}");
-    let err = rel_error(&got, &want);
-    assert!(err < TOLERANCE, "error {err:e}");
+    let launch = |shape: &AttentionShape, offsets: &[usize], x: &Inputs| {
+        run(&client, &kernel, shape, offsets, x)
+    };
+    check_growing_scores(&launch, 82, 600);
 }
 
 #[test]
@@ -97,24 +86,10 @@ fn a_packed_run_equals_each_sequence_alone_bit_for_bit() {
     let (Some(client), Some(kernel)) = (client(), kernel()) else {
         return;
     };
-    let mut rng = Rng::new(83);
-    let (heads, kv_heads, d) = (32, 2, 128);
-    let shape = shape(heads, kv_heads, d);
-    let lengths = [3, 190, 17];
-    let offsets = offsets_of(&lengths);
-    let x = bf16_inputs(Inputs::random(&mut rng, &shape, *offsets.last().unwrap()));
-    let packed = run(&client, &kernel, &shape, &offsets, &x);
-    for w in offsets.windows(2) {
-        let (start, end) = (w[0], w[1]);
-        let slice = |data: &[f32], h: usize| data[start * h * d..end * h * d].to_vec();
-        let alone = Inputs {
-            q: slice(&x.q, heads),
-            k: slice(&x.k, kv_heads),
-            v: slice(&x.v, kv_heads),
-        };
-        let got = run(&client, &kernel, &shape, &[0, end - start], &alone);
-        assert_eq!(got, packed[start * heads * d..end * heads * d].to_vec());
-    }
+    let launch = |shape: &AttentionShape, offsets: &[usize], x: &Inputs| {
+        run(&client, &kernel, shape, offsets, x)
+    };
+    check_packed_equals_alone(&launch, 83, &[3, 190, 17]);
 }
 
 #[test]
