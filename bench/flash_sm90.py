@@ -2,10 +2,12 @@
 on the GPU machine, outside the Rust build: NVRTC (ctypes) compiles it for sm_90a, CuPy launches
 it on PyTorch tensors, PyTorch in f32 is the reference and PyTorch's bf16 SDPA the peer.
 
-    python3 bench/flash_sm90.py [--source FILE.cu] [--smem BYTES] [OUT.json]
+    python3 bench/flash_sm90.py [--source FILE.cu] [--smem BYTES] [--threads N] [OUT.json]
 
 Prints a table; with OUT.json writes every figure there. `--source` checks another version of
-the kernel (same entry point and arguments), `--smem` its dynamic shared memory."""
+the kernel (same entry point and arguments), `--smem` its dynamic shared memory and `--threads`
+its block size. Each check and timing runs under a time limit (`--limit` seconds): a kernel
+that hangs is reported, not waited for."""
 import argparse, ctypes, glob, json, math, os, sys, time
 
 import cupy
@@ -77,7 +79,7 @@ class Kernel:
             work = torch.tensor(work_list(lengths, heads // kv_heads), dtype=torch.int32, device="cuda")
         items = work.numel() // 3
         c = lambda t: cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-        self.fn((items * kv_heads,), (256,),
+        self.fn((items * kv_heads,), (ARGS.threads,),
                 (c(q), c(k), c(v), c(out), c(work), cupy.uint32(items), cupy.uint32(heads),
                  cupy.uint32(kv_heads), cupy.float32(D ** -0.5 * math.log2(math.e))),
                 shared_mem=ARGS.smem)
@@ -104,11 +106,24 @@ def inputs(lengths, heads, kv_heads, seed):
     return mk(heads), mk(kv_heads), mk(kv_heads)
 
 
+def wait(what):
+    """Waits for the device's queued work, at most `--limit` seconds: a hung kernel ends the
+    run with a message (the process's exit tears the context down) instead of waiting forever."""
+    event = torch.cuda.Event()
+    event.record()
+    deadline = time.time() + ARGS.limit
+    while not event.query():
+        if time.time() > deadline:
+            print(f"HUNG: {what} did not finish in {ARGS.limit:.0f} s", flush=True)
+            os._exit(3)
+        time.sleep(0.01)
+
+
 def check(kernel, lengths, heads, kv_heads, seed):
     q, k, v = inputs(lengths, heads, kv_heads, seed)
     out = torch.full_like(q, float("nan"))
     kernel(q, k, v, out, lengths)
-    torch.cuda.synchronize()
+    wait(f"check {lengths} h={heads} kv={kv_heads}")
     ref = reference(q, k, v, lengths)
     o = out.float()
     rel = ((o - ref).norm() / ref.norm()).item()
@@ -130,6 +145,7 @@ def speed(kernel, lengths, heads, kv_heads):
     q, k, v = inputs(lengths, heads, kv_heads, 7)
     out = torch.empty_like(q)
     work = kernel(q, k, v, out, lengths)
+    wait(f"speed {lengths[0]}x{len(lengths)}")
     ours = timed(lambda: kernel(q, k, v, out, lengths, work))
     def torch_sdpa():
         s = 0
@@ -172,5 +188,7 @@ if __name__ == "__main__":
     parser.add_argument("out", nargs="?")
     parser.add_argument("--source", default=SOURCE)
     parser.add_argument("--smem", type=int, default=SMEM)
+    parser.add_argument("--threads", type=int, default=256)
+    parser.add_argument("--limit", type=float, default=60.0)
     ARGS = parser.parse_args()
     main()

@@ -1,0 +1,394 @@
+// EXPERIMENT, NOT YET VERIFIED ON A GPU. The ping-pong variant of
+// kernels/src/cuda/flash_attention_sm90.cu (same entry point, arguments and contract), the
+// FlashAttention-3 schedule. Its only GPU run launched it with 256 threads (the harness's
+// block size then) instead of its 384, so its producer warpgroup never ran and the consumers
+// waited forever; with the right block size it has not run yet. Check and time it with
+//
+//   python3 bench/flash_sm90.py --source bench/experiments/flash_attention_sm90_pingpong.cu \
+//       --smem 230464 --threads 384
+//
+// Structure (the product kernel's comment describes the tiling, the swizzled layout and the
+// softmax, which are the same): a block of 384 threads, three warpgroups.
+//   - Warpgroup 2 is the producer (`setmaxnreg.dec` to 40 registers): it copies Q with the
+//     first tile, then each K/V tile into stage t % 3 (`cp.async`) once the consumers have
+//     released that stage (`mbarrier` empty[s], 256 arrivals), and signals the tile's
+//     `mbarrier` full[s] (128 arrivals) once its copies have landed (`cp.async.wait_group`,
+//     `fence.proxy.async`), one tile later.
+//   - Warpgroups 0 and 1 are the consumers (`setmaxnreg.inc` to 232), 64 rows each. Turn t
+//     issues O += P(t-1)·V(t-1) and S(t) = Q·K(t)ᵀ in one `wgmma` group, then the softmax of
+//     S(t). The two take turns on the tensor cores through two named barriers (ids 1 and 2,
+//     256 threads: `bar.sync` on one's own, `bar.arrive` on the other's), so that one's
+//     softmax runs while the other's products do. No block-wide barrier after the start.
+// nvrtc + `ptxas -arch=sm_90a -v`: 168 registers at entry, no spills, no serialized `wgmma`,
+// 32 HGMMA in the SASS.
+//
+// Compiled by NVRTC for `sm_90a`, no headers: bf16 values travel as raw 16-bit patterns.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define HEAD_DIM 128
+#define ROWS 128
+#define KEYS 128
+#define THREADS 384
+#define TILE_BYTES (128 * HEAD_DIM * 2)
+#define STAGES 3
+// Q, three K and three V stages, the mbarriers, and slack to align the tiles to the
+// 1024-byte swizzle atom.
+#define BARRIER_BYTES 64
+#define SMEM_BYTES ((1 + 2 * STAGES) * TILE_BYTES + BARRIER_BYTES + 1024)
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+/// Byte offset of 16-byte chunk `chunk` (0..15) of row `row` in a swizzled tile of `rows` rows.
+__device__ __forceinline__ u32 swizzled(u32 rows, u32 row, u32 chunk) {
+  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// Makes this thread's shared-memory writes visible to the tensor cores (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+/// stride byte offsets (bytes, multiples of 16).
+__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
+  return static_cast<u64>((address & 0x3FFFF) >> 4) | (static_cast<u64>(leading >> 4) << 16) |
+         (static_cast<u64>(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/// Two f32 rounded to a bf16 pair, `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The two warpgroup matrix products the kernel is built on, m64n128k16 bf16 -> f32. Each thread
+// of the warpgroup holds 64 accumulators `d`: for n-chunk i (columns 8i..8i+7) d[4i], d[4i+1]
+// are row `lane/4` and d[4i+2], d[4i+3] row `lane/4 + 8` of its warp's 16 rows, at columns
+// 8i + 2(lane%4) and the next. The operand lists name all 64 accumulators.
+
+/// `d (+)= A·B` for a 64×128 f32 tile, A (64×16) and B (16×128, K-major) bf16 in shared
+/// memory (descriptors); `accumulate == 0` overwrites `d`.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+/// `d += A·B` for a 64×128 f32 tile, A (64×16) bf16 from registers (four bf16 pairs per
+/// thread, per warp the `mma.m16n8k16` A layout), B (16×128) bf16 in shared memory, N-major.
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+/// Keeps the compiler from moving reads or writes of `d` across the asynchronous products.
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+/// Waits until phase `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+/// The two consumer warpgroups' turn-taking barriers (ids 1 and 2, 256 threads).
+__device__ __forceinline__ void turn_wait(u32 id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void turn_pass(u32 id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+/// Stages keys `tile·KEYS ..` of KV head `kv` of `x` (K or V) into the tile at `dst`, the
+/// producer's thread `t` of 128 taking every 128th chunk; keys past the sequence read its last
+/// key (masked later), so every staged value is defined.
+__device__ __forceinline__ void stage(const bf16_t* __restrict__ x, u32 dst, u32 tile, u32 t,
+                                      u32 seq_start, u32 seq_len, u32 kv_heads, u32 kv) {
+#pragma unroll 4
+  for (u32 i = t; i < KEYS * 16; i += 128) {
+    const u32 r = i >> 4, chunk = i & 15;
+    const u32 key = min(tile * KEYS + r, seq_len - 1);
+    const u64 at = (static_cast<u64>(seq_start + key) * kv_heads + kv) * HEAD_DIM + chunk * 8;
+    cp_async16(dst + swizzled(KEYS, r, chunk), x + at);
+  }
+}
+
+/// The online softmax of one tile's scores `s` (base 2, keys past a row's token masked), the
+/// output accumulators `o` rescaled, and P's register operands for the next turn.
+__device__ __forceinline__ void softmax_tile(float (&s)[64], float (&o)[64], u32 (&p)[8][4],
+                                             float& max0, float& max1, float& sum0, float& sum1,
+                                             u32 tile, u32 first_token, u32 token0, u32 token1,
+                                             u32 column, float scale_log2) {
+  if (tile * KEYS + KEYS - 1 > first_token) {
+#pragma unroll
+    for (u32 i = 0; i < 16; ++i) {
+#pragma unroll
+      for (u32 e = 0; e < 2; ++e) {
+        const u32 key = tile * KEYS + 8 * i + column + e;
+        if (key > token0) s[4 * i + e] = NEG_INF;
+        if (key > token1) s[4 * i + 2 + e] = NEG_INF;
+      }
+    }
+  }
+  float new0 = max0, new1 = max1;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    new0 = fmaxf(new0, fmaxf(s[4 * i], s[4 * i + 1]));
+    new1 = fmaxf(new1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 1));
+  new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 2));
+  new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 1));
+  new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 2));
+  // Every visited tile holds at least one key <= each row's token: the maxima are finite.
+  const float alpha0 = exp2f((max0 - new0) * scale_log2);
+  const float alpha1 = exp2f((max1 - new1) * scale_log2);
+  max0 = new0;
+  max1 = new1;
+  const float bias0 = new0 * scale_log2, bias1 = new1 * scale_log2;
+  float part0 = 0.0f, part1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[4 * i] = exp2f(fmaf(s[4 * i], scale_log2, -bias0));
+    s[4 * i + 1] = exp2f(fmaf(s[4 * i + 1], scale_log2, -bias0));
+    s[4 * i + 2] = exp2f(fmaf(s[4 * i + 2], scale_log2, -bias1));
+    s[4 * i + 3] = exp2f(fmaf(s[4 * i + 3], scale_log2, -bias1));
+    part0 += s[4 * i] + s[4 * i + 1];
+    part1 += s[4 * i + 2] + s[4 * i + 3];
+    o[4 * i] *= alpha0;
+    o[4 * i + 1] *= alpha0;
+    o[4 * i + 2] *= alpha1;
+    o[4 * i + 3] *= alpha1;
+  }
+  sum0 = sum0 * alpha0 + part0;
+  sum1 = sum1 * alpha1 + part1;
+  // P's operand for keys 16j.. comes from the accumulators of column chunks 2j, 2j + 1.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    p[j][0] = pack_bf16(s[8 * j], s[8 * j + 1]);
+    p[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
+    p[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
+    p[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+/// S = Q·Kᵀ for a warpgroup's 64 rows (`q_rows`: their Q tile) against the K tile at `sk`:
+/// the head dimension 16 at a time, 4 steps per 64-column half.
+__device__ __forceinline__ void scores(float (&s)[64], u32 q_rows, u32 sk) {
+#pragma unroll
+  for (u32 step = 0; step < 8; ++step) {
+    const u32 half = step >> 2, within = (step & 3) * 32;
+    wgmma_ss(s, descriptor(q_rows + half * ROWS * 128 + within, 16, 1024),
+             descriptor(sk + half * KEYS * 128 + within, 16, 1024), step > 0);
+  }
+}
+
+/// O += P·V over a tile's keys, 16 at a time. V is N-major: the two 64-column halves lie
+/// KEYS·128 bytes apart (leading offset), groups of 8 keys 1024 bytes apart (stride offset).
+__device__ __forceinline__ void values(float (&o)[64], const u32 (&p)[8][4], u32 sv) {
+#pragma unroll
+  for (u32 j = 0; j < 8; ++j) wgmma_rs(o, p[j], descriptor(sv + j * 16 * 128, KEYS * 128, 1024));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    sala_flash_attention_sm90(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                              const bf16_t* __restrict__ v, bf16_t* __restrict__ out,
+                              const u32* __restrict__ work, u32 items, u32 heads, u32 kv_heads,
+                              float scale_log2) {
+  extern __shared__ unsigned char smem[];
+  const u32 base = (shared_address(smem) + 1023u) & ~1023u;
+  // Q, K stages, V stages (tile t in stage t % STAGES), then the barriers: full[s] (the
+  // producer's 128 threads arrive once the stage's copies are done) and empty[s] (the
+  // consumers' 256 threads arrive once they are done reading it).
+  const u32 sq = base, sk0 = base + TILE_BYTES, sv0 = base + (1 + STAGES) * TILE_BYTES;
+  const u32 bars = base + (1 + 2 * STAGES) * TILE_BYTES;
+  const u32 full0 = bars, empty0 = bars + 8 * STAGES;
+
+  const u32 item = blockIdx.x / kv_heads, kv = blockIdx.x % kv_heads;
+  if (item >= items) return;
+  const u32 seq_start = work[3 * item], seq_len = work[3 * item + 1], f0 = work[3 * item + 2];
+  const u32 group = heads / kv_heads;
+  const u32 rows = seq_len * group;
+  const u32 first_token = f0 / group;
+  const u32 last_token = (min(f0 + ROWS, rows) - 1) / group;
+  const u32 tiles = last_token / KEYS + 1;
+
+  if (threadIdx.x == 0) {
+    for (u32 s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 128);
+      mbar_init(empty0 + 8 * s, 256);
+    }
+  }
+  __syncthreads();
+
+  const u32 warpgroup = threadIdx.x >> 7;
+  if (warpgroup == 2) {
+    // Producer: Q with tile 0, then every tile into its stage once the consumers freed it;
+    // each tile's barrier is signalled one tile later, after its copies have landed.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const u32 t = threadIdx.x - 256;
+    for (u32 tile = 0; tile < tiles; ++tile) {
+      const u32 s = tile % STAGES;
+      if (tile >= STAGES) mbar_wait(empty0 + 8 * s, (tile / STAGES - 1) & 1);
+      if (tile == 0) {
+        for (u32 i = t; i < ROWS * 16; i += 128) {
+          const u32 r = i >> 4, chunk = i & 15;
+          const u32 f = min(f0 + r, rows - 1);
+          const u64 at =
+              (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) *
+                  HEAD_DIM +
+              chunk * 8;
+          cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
+        }
+      }
+      stage(k, sk0 + s * TILE_BYTES, tile, t, seq_start, seq_len, kv_heads, kv);
+      stage(v, sv0 + s * TILE_BYTES, tile, t, seq_start, seq_len, kv_heads, kv);
+      cp_async_commit();
+      if (tile > 0) {
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(full0 + 8 * ((tile - 1) % STAGES));
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(full0 + 8 * ((tiles - 1) % STAGES));
+    return;
+  }
+
+  // Consumers. Turn t issues O += P(t-1)·V(t-1) and S(t) = Q·K(t)ᵀ in one group, then (once
+  // both are done) the softmax of S(t). The two warpgroups take turns on the tensor cores
+  // (ping-pong): one's softmax runs while the other's products do.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const u32 mine = 1 + warpgroup, other = 2 - warpgroup;
+  if (warpgroup == 1) turn_pass(other);  // warpgroup 0 goes first
+
+  const u32 lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const u32 row0 = warpgroup * 64 + warp * 16 + (lane >> 2);
+  const u32 token0 = min(f0 + row0, rows - 1) / group;
+  const u32 token1 = min(f0 + row0 + 8, rows - 1) / group;
+  const u32 column = 2 * (lane & 3);
+  const u32 q_rows = sq + warpgroup * 64 * 128;
+
+  float o[64], s[64];
+  u32 p[8][4];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
+
+  // Turn 0: S(0) only.
+  mbar_wait(full0, 0);
+  turn_wait(mine);
+  wgmma_fence();
+  scores(s, q_rows, sk0);
+  wgmma_commit();
+  turn_pass(other);
+  wgmma_wait_all();
+  fence_operands(s);
+  softmax_tile(s, o, p, max0, max1, sum0, sum1, 0, first_token, token0, token1, column,
+               scale_log2);
+  for (u32 turn = 1; turn < tiles; ++turn) {
+    mbar_wait(full0 + 8 * (turn % STAGES), (turn / STAGES) & 1);
+    turn_wait(mine);
+    wgmma_fence();
+    values(o, p, sv0 + ((turn - 1) % STAGES) * TILE_BYTES);
+    scores(s, q_rows, sk0 + (turn % STAGES) * TILE_BYTES);
+    wgmma_commit();
+    turn_pass(other);
+    wgmma_wait_all();
+    fence_operands(o);
+    fence_operands(s);
+    mbar_arrive(empty0 + 8 * ((turn - 1) % STAGES));
+    softmax_tile(s, o, p, max0, max1, sum0, sum1, turn, first_token, token0, token1, column,
+                 scale_log2);
+  }
+  // Last turn: O += P·V of the last tile. Warpgroup 1's pass would have no taker.
+  turn_wait(mine);
+  wgmma_fence();
+  values(o, p, sv0 + ((tiles - 1) % STAGES) * TILE_BYTES);
+  wgmma_commit();
+  if (warpgroup == 0) turn_pass(other);
+  wgmma_wait_all();
+  fence_operands(o);
+
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+  const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
+#pragma unroll
+  for (u32 half = 0; half < 2; ++half) {
+    const u32 f = f0 + row0 + 8 * half;
+    if (f >= rows) continue;
+    const float inv = half ? inv1 : inv0;
+    bf16_t* dst =
+        out + (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM;
+#pragma unroll
+    for (u32 i = 0; i < 16; ++i) {
+      *reinterpret_cast<u32*>(dst + 8 * i + column) =
+          pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+    }
+  }
+}
