@@ -11,6 +11,7 @@ use sala_hessian::{
 };
 use sala_model::{gram_reference, sample_runs, to_f32, FastOps, RowRun, TapRows};
 use std::borrow::Cow;
+use std::cell::OnceCell;
 
 /// Which statistics a recipe needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,9 +106,22 @@ impl<B: Backend> InputStats<B> {
         rows: TapRows,
         fast: Option<&dyn FastOps<B>>,
     ) -> Result<(), (Option<usize>, String)> {
+        self.add_pack_sharing(x, lengths, rows, fast, &OnceCell::new())
+    }
+
+    /// [`add_pack`](Self::add_pack), `x`'s host values downloaded at most once into `host`
+    /// (both halves of [`InputStats::Both`] read the same copy).
+    fn add_pack_sharing(
+        &mut self,
+        x: &Tensor<B, 2>,
+        lengths: &[usize],
+        rows: TapRows,
+        fast: Option<&dyn FastOps<B>>,
+        host: &OnceCell<Vec<f32>>,
+    ) -> Result<(), (Option<usize>, String)> {
         if let InputStats::Both(hessian, channels) = self {
-            hessian.add_pack(x, lengths, rows.clone(), fast)?;
-            return channels.add_pack(x, lengths, rows, fast);
+            hessian.add_pack_sharing(x, lengths, rows.clone(), fast, host)?;
+            return channels.add_pack_sharing(x, lengths, rows, fast, host);
         }
         let [tokens, _] = x.dims();
         let pack: usize = lengths.iter().sum();
@@ -129,15 +143,17 @@ impl<B: Backend> InputStats<B> {
         }
         let (runs, starts) = sample_runs(lengths, rows);
         let host = || {
-            fast.and_then(|f| f.to_host(x))
-                .unwrap_or_else(|| host_values(x))
+            host.get_or_init(|| {
+                fast.and_then(|f| f.to_host(x))
+                    .unwrap_or_else(|| host_values(x))
+            })
         };
         match self {
-            InputStats::Full(acc) => add_rows(&host(), lengths, |s, rows, t| {
+            InputStats::Full(acc) => add_rows(host(), lengths, |s, rows, t| {
                 acc.add_sample(rows, t)
                     .map_err(|e| (Some(s), e.to_string()))
             }),
-            InputStats::Diagonal(acc) => add_rows(&host(), lengths, |s, rows, t| {
+            InputStats::Diagonal(acc) => add_rows(host(), lengths, |s, rows, t| {
                 acc.add_sample(rows, t)
                     .map_err(|e| (Some(s), e.to_string()))
             }),
@@ -517,6 +533,63 @@ mod tests {
                 assert_eq!((h.samples, h.tokens), (d.samples, d.tokens));
             }
             _ => panic!("diagonal statistics expected"),
+        }
+    }
+
+    /// Fast ops that count the host downloads they are asked for (and leave them to the
+    /// caller's own download).
+    #[derive(Debug, Default)]
+    struct CountingDownloads(std::sync::atomic::AtomicUsize);
+
+    impl FastOps<CpuBackend> for CountingDownloads {
+        fn causal_attention(
+            &self,
+            _: Tensor<CpuBackend, 3>,
+            _: Tensor<CpuBackend, 3>,
+            _: Tensor<CpuBackend, 3>,
+            _: &[usize],
+            _: f32,
+        ) -> sala_model::Result<Tensor<CpuBackend, 3>> {
+            Err(sala_model::ModelError::InvalidInput("not used here".into()))
+        }
+
+        fn to_host(&self, _: &Tensor<CpuBackend, 2>) -> Option<Vec<f32>> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            None
+        }
+    }
+
+    /// Host Hessian and host channel statistics of one input read one download per pack, and
+    /// equal the two kinds accumulated apart.
+    #[test]
+    fn both_host_statistics_share_one_download_per_pack() {
+        let lengths = [3usize, 5];
+        let values = (0..8 * 4).map(|k| (k as f32 * 0.37).cos()).collect();
+        let x = sample(values, 8, 4);
+        let counter = CountingDownloads::default();
+        let mut both = InputStats::<CpuBackend>::new(StatsKind::FullAndChannels, 4, None).unwrap();
+        both.add_pack(&x, &lengths, 0..8, Some(&counter)).unwrap();
+        assert_eq!(counter.0.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let mut apart = [StatsKind::Full, StatsKind::Diagonal]
+            .map(|kind| InputStats::<CpuBackend>::new(kind, 4, None).unwrap());
+        for stats in apart.iter_mut() {
+            stats.add_pack(&x, &lengths, 0..8, None).unwrap();
+        }
+        let [full, diagonal] = apart.map(|stats| stats.finalize("x").unwrap());
+        match (both.finalize("x").unwrap(), full, diagonal) {
+            (
+                Finalized::FullAndChannels(hessian, channels),
+                Finalized::Full(h),
+                Finalized::Diagonal(d),
+            ) => {
+                let Finalized::Full(hessian) = *hessian else {
+                    panic!("host Hessian expected");
+                };
+                assert_eq!(hessian.to_row_major(), h.to_row_major());
+                assert_eq!(channels.mean_square, d.mean_square);
+                assert_eq!(channels.abs_max, d.abs_max);
+            }
+            _ => panic!("both kinds expected"),
         }
     }
 
