@@ -291,7 +291,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     /// Tells `progress` where the hidden states live.
     pub(crate) fn tell_hidden(&self, hidden: &HiddenStates<B>, progress: &mut dyn Progress) {
         progress.message(&format!(
-            "hidden states: {:.1} MB {}; statistics on the {}; solver {}",
+            "hidden states: {:.1} MB {}; statistics on the {}; solver {}; forward: {}",
             hidden.bytes() as f64 / 1e6,
             hidden.location(),
             if self.options.device_statistics {
@@ -299,7 +299,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             } else {
                 "host"
             },
-            self.solver.name()
+            self.solver.name(),
+            self.runner
+                .fast_ops()
+                .map_or_else(|| "the graph's ops".to_owned(), |fast| fast.describe()),
         ));
     }
 

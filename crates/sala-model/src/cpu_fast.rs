@@ -437,6 +437,10 @@ fn from_values<const D: usize, const E: usize>(
 }
 
 impl FastOps<Cpu> for CpuFastOps {
+    fn describe(&self) -> String {
+        "CPU fast ops (faer GEMMs, fused passes)".to_owned()
+    }
+
     fn causal_attention(
         &self,
         q: Tensor<Cpu, 3>,

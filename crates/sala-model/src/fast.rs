@@ -128,6 +128,12 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// What these fast ops run, in a few words for progress lines (`"the graph's ops"` by
+    /// default).
+    fn describe(&self) -> String {
+        "the graph's ops".to_owned()
+    }
+
     /// `x` `[rows, cols]` as row-major host f32 values; `None` where the backend's own
     /// download (`into_data`) is the fast way.
     fn to_host(&self, x: &Tensor<B, 2>) -> Option<Vec<f32>> {
@@ -308,15 +314,6 @@ mod cube {
                 ..self
             }
         }
-
-        /// The kernel that bf16 attention of head dimension 128 runs on: `"hopper-wgmma"`
-        /// or `"flash-mma"` (for reports and benchmarks).
-        pub fn attention_kernel(&self) -> &'static str {
-            match self.hopper {
-                Some(_) => "hopper-wgmma",
-                None => "flash-mma",
-            }
-        }
     }
 
     fn primitive<F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
@@ -400,6 +397,18 @@ mod cube {
         I: IntElement,
         BT: BoolElement,
     {
+        fn describe(&self) -> String {
+            let attention = match self.hopper {
+                Some(_) => "bf16 attention on Hopper's wgmma (HopperAttention)",
+                None => "bf16 attention on the CubeCL flash kernel",
+            };
+            let linears = match self.blas {
+                Some(_) => "linears and Hessians on cuBLAS",
+                None => "linears on burn's matmul",
+            };
+            format!("{attention}, {linears}")
+        }
+
         fn accumulate_gram(
             &self,
             h: Tensor<CubeBackend<R, F, I, BT>, 2>,
