@@ -281,11 +281,12 @@ mod cube {
 
     type R = CudaRuntime;
 
-    /// The `sala-kernels` implementations on CUDA: causal GQA attention (bf16 on the tensor
-    /// cores where the head dimension allows, else the portable CubeCL kernel for bf16, f16
-    /// or f32 tensors) and, with a cuBLAS handle, bf16 linears and Hessians as cuBLAS GEMMs
-    /// and, for head dimensions the flash kernel lacks, the attention of long bf16 sequences
-    /// blocked on cuBLAS.
+    /// The `sala-kernels` implementations on CUDA: causal GQA attention (bf16 on Hopper's
+    /// warpgroup instructions with a [`HopperAttention`], else on the tensor cores where the
+    /// head dimension allows, else the portable CubeCL kernel for bf16, f16 or f32 tensors)
+    /// and, with a cuBLAS handle, bf16 linears and Hessians as cuBLAS GEMMs and, for head
+    /// dimensions the flash kernel lacks, the attention of long bf16 sequences blocked on
+    /// cuBLAS.
     #[derive(Debug, Clone, Default)]
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
