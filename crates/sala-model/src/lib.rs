@@ -6,9 +6,9 @@
 //! - [`LayerRunner`]: embedding, one decoder layer (one sequence or a pack of them) with a tap
 //!   on every linear's input, logits.
 //! - [`FastOps`]: the seam through which a backend computes heavy steps with its own kernels
-//!   ([`CudaFastOps`] on CUDA: `sala-kernels`' attention, cuBLAS linears; [`CpuFastOps`] on
-//!   burn-ndarray: faer GEMMs and fused element-wise passes on every core), tested against
-//!   the graph.
+//!   (`CudaFastOps` on CUDA, feature `cuda`: `sala-kernels`' attention, cuBLAS linears;
+//!   [`CpuFastOps`] on burn-ndarray: faer GEMMs and fused element-wise passes on every core),
+//!   tested against the graph.
 //! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
 //!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
 //! - [`device`]: the GPU backend `CudaBackend` (feature `cuda`; bf16 storage,

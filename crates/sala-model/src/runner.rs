@@ -191,7 +191,7 @@ impl<B: Backend> LayerRunner<B> {
     }
 
     /// The same runner with `fast` computing the steps it implements (e.g.
-    /// [`CubeFastOps`](crate::fast::CubeFastOps) on CUDA) instead of the Burn graph.
+    /// `CudaFastOps` on CUDA) instead of the Burn graph.
     pub fn with_fast_ops(mut self, fast: Arc<dyn FastOps<B>>) -> Self {
         self.fast = Some(fast);
         self
@@ -481,7 +481,7 @@ impl<B: Backend> LayerRunner<B> {
     }
 
     /// [`LayerRunner::run_layer`] with the weights taken from any [`LayerSource`]: host f32
-    /// or device tensors ([`DeviceLayerWeights`](crate::DeviceLayerWeights), e.g. the
+    /// or device tensors ([`DeviceLayerWeights`], e.g. the
     /// parameters of a training loop, through which gradients then flow).
     pub fn run_layer_from<F>(
         &self,
