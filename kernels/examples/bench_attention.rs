@@ -1,6 +1,7 @@
 //! H200 benchmark of causal GQA attention at the MiniCPM-SALA shape (32 query heads over 2 KV
 //! heads, head_dim 128, bf16): the tensor-core flash kernel (`flash_attention_bf16`, at each
-//! plane count), the cuBLAS-blocked route (`blocked_causal_attention_bf16`) and the portable
+//! plane count), the Hopper kernel (`cuda::HopperAttention`, where the device is compute
+//! capability 9.0), the cuBLAS-blocked route (`blocked_causal_attention_bf16`) and the portable
 //! FMA kernel (`causal_gqa_attention`, short packs only), on random inputs of a fixed seed.
 //!
 //! ```text
@@ -21,7 +22,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::bf16;
 use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
-use sala_kernels::cuda::{blocked_causal_attention_bf16, Cublas};
+use sala_kernels::cuda::{blocked_causal_attention_bf16, Cublas, HopperAttention};
 use sala_kernels::flash_attention::flash_attention_bf16_with;
 use sala_kernels::KernelError;
 
@@ -150,6 +151,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let hopper = match HopperAttention::new(0) {
+        Ok(kernel) => Some(kernel),
+        Err(e) => {
+            println!("hopper route not run: {e}");
+            None
+        }
+    };
     let shape = AttentionShape {
         heads: 32,
         kv_heads: 2,
@@ -204,6 +212,14 @@ fn main() -> ExitCode {
             });
             let got = t.as_ref().ok().map(|_| download(&client, &out));
             report(format!("flash_p{planes}"), t, got);
+        }
+        if let Some(hopper) = &hopper {
+            let out = client.empty(tokens * 32 * 128 * 2);
+            let t = time(&client, args.reps, || {
+                hopper.run(&client, &shape, &offsets, [&q, &k, &v, &out])
+            });
+            let got = t.as_ref().ok().map(|_| download(&client, &out));
+            report("hopper".into(), t, got);
         }
         if tokens <= 16384 {
             let out = client.empty(tokens * 32 * 128 * 2);
