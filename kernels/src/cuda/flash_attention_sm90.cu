@@ -1,5 +1,6 @@
 // Causal grouped-query flash attention for Hopper (sm_90a): both products on the warpgroup
-// tensor-core instructions (`wgmma.mma_async`), K/V tiles staged by `cp.async` two deep.
+// tensor-core instructions (`wgmma.mma_async`), FlashAttention-3's warp-specialized ping-pong
+// schedule, K/V tiles staged by `cp.async` three deep.
 //
 // Compiled at run time by NVRTC for `sm_90a` (see `hopper_attention.rs`); no headers: bf16
 // values travel as raw 16-bit patterns and are converted by PTX.
@@ -12,22 +13,41 @@
 //
 // Tiling. A *row* is one (token, query head) pair; for KV head kv the rows of one sequence are
 // numbered group-major, f = token · group + j for query head kv · group + j, so one staged K/V
-// tile serves the whole group. A block of 256 threads (two warpgroups) owns ROWS = 128
-// consecutive rows of one sequence and one KV head (a work item: [sequence start, sequence
-// length, first row], block b taking item b / kv_heads and KV head b % kv_heads). Warpgroup w
-// owns rows 64w..64w+63: the M of its products. Per tile of KEYS = 128 keys, from the
-// sequence's first key to the block's last token (tiles above the diagonal are never read):
-//   1. S = Q·Kᵀ (64 × 128 per warpgroup, f32 in registers), Q and K from shared memory;
-//   2. the online softmax per row in the base-2 domain (the scale folded into one FMA), keys
-//      past a row's token masked; a row's four lanes combine maxima by shuffles, the sums are
-//      combined once at the end;
-//   3. O += P·V with P rounded to bf16 in registers: the accumulator layout of S lines up
-//      with the register operand layout of the product, so P never leaves registers.
-// The tile after the current one is in flight (cp.async) while the current one is computed.
+// tile serves the whole group. A block owns ROWS = 128 consecutive rows of one sequence and one
+// KV head (a work item: [sequence start, sequence length, first row], block b taking item
+// b / kv_heads and KV head b % kv_heads). Tiles of KEYS = 128 keys run from the sequence's
+// first key to the block's last token (tiles above the diagonal are never read).
+//
+// Schedule: 384 threads, three warpgroups.
+//   - Warpgroup 2 is the producer (`setmaxnreg.dec` to 40 registers). It copies Q, then K(0),
+//     then K(t + 1) before V(t), each into stage t % 3 of its own ring (`cp.async`) once both
+//     consumers released that stage (`mbarrier` empty, 256 arrivals). Each copy's `mbarrier`
+//     full completes when the producer's 128 threads' copies so far have landed
+//     (`cp.async.mbarrier.arrive.noinc`): the producer never waits on its own copies. K and V
+//     have rings and barriers of their own because K(t) is read one turn before V(t); each
+//     stage is refilled as soon as its own reader is done, two turns ahead of its use.
+//   - Warpgroups 0 and 1 are the consumers (`setmaxnreg.inc` to 232), 64 rows each (the M of
+//     their products). Turn t issues S(t) = Q·K(t)ᵀ and O += P(t-1)·V(t-1) as two `wgmma`
+//     groups (S and O f32 in registers, Q, K, V from shared memory, P from registers). Once
+//     S(t) is done, its online softmax runs while P(t-1)·V(t-1) may still be on the tensor
+//     cores: base 2, the scale folded into one FMA, keys past a row's token masked, a row's
+//     four lanes combining maxima by shuffles (sums once at the end). Once that product is
+//     done too, O is rescaled to the new maxima and P(t) rounded into the registers the next
+//     turn's product reads: the accumulator layout of S lines up with the register operand
+//     layout of P·V, so P never leaves registers. The two consumers also take turns on the
+//     tensor cores through two named barriers (ids 1 and 2: `bar.sync` on one's own,
+//     `bar.arrive` on the other's), so one's softmax runs while the other's products do.
+//     No block-wide barrier after the start.
+//   - ptxas serializes the products if anything but them writes a register they use before
+//     the last of them is done: S is a fresh array each turn, the softmax works on it only
+//     after its own group is done, and P is written only after both are.
 //
 // Shared memory holds every tile in the 128-byte swizzled layout the tensor cores read: a
 // tile of R rows × 128 bf16 is two halves (columns 0..63, 64..127) of R rows × 128 bytes,
 // the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of that row.
+//
+// Compiler report (NVRTC 13, `ptxas -arch=sm_90a -v`): 168 registers at entry, no spills, no
+// serialized `wgmma` (warning C7513), 32 HGMMA in the SASS.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -36,10 +56,13 @@ typedef unsigned long long u64;
 #define HEAD_DIM 128
 #define ROWS 128
 #define KEYS 128
-#define THREADS 256
+#define THREADS 384
 #define TILE_BYTES (128 * HEAD_DIM * 2)
-// Q, two K stages, two V stages, and slack to align the base to the 1024-byte swizzle atom.
-#define SMEM_BYTES (5 * TILE_BYTES + 1024)
+#define STAGES 3
+// Q, three K and three V stages, the mbarriers, and slack to align the tiles to the
+// 1024-byte swizzle atom.
+#define BARRIER_BYTES 128
+#define SMEM_BYTES ((1 + 2 * STAGES) * TILE_BYTES + BARRIER_BYTES + 1024)
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -135,20 +158,155 @@ __device__ __forceinline__ void fence_operands(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/// Stages keys `tile·KEYS ..` of KV head `kv` (K and V) into the tiles at `sk`, `sv`; keys past
-/// the sequence read its last key (masked later), so every staged value is defined.
-__device__ __forceinline__ void stage_kv(const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-                                         u32 sk, u32 sv, u32 tile, u32 seq_start, u32 seq_len,
-                                         u32 kv_heads, u32 kv) {
-#pragma unroll
-  for (u32 i = threadIdx.x; i < KEYS * 16; i += THREADS) {
-    const u32 r = i >> 4, chunk = i & 15;
-    const u32 key = min(tile * KEYS + r, seq_len - 1);
-    const u64 at = (static_cast<u64>(seq_start + key) * kv_heads + kv) * HEAD_DIM + chunk * 8;
-    const u32 offset = swizzled(KEYS, r, chunk);
-    cp_async16(sk + offset, k + at);
-    cp_async16(sv + offset, v + at);
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+/// Waits until phase `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   }
+}
+/// Arrives on the barrier (asynchronously) once every `cp.async` this thread has issued so
+/// far has landed; the barrier's expected count includes this arrival (`.noinc`).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+/// The two consumer warpgroups' turn-taking barriers (ids 1 and 2, 256 threads).
+__device__ __forceinline__ void turn_wait(u32 id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void turn_pass(u32 id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+/// Stages keys `tile·KEYS ..` of KV head `kv` of `x` (K or V) into the tile at `dst`, the
+/// producer's thread `t` of 128 taking 16-byte chunk `t % 16` of keys `t / 16 + 8j`; keys past
+/// the sequence read its last key (masked later), so every staged value is defined. A thread's
+/// chunk, and so its swizzled column, is the same for all its keys.
+__device__ __forceinline__ void stage(const bf16_t* __restrict__ x, u32 dst, u32 tile, u32 t,
+                                      u32 seq_start, u32 seq_len, u32 kv_heads, u32 kv) {
+  const u32 chunk = t & 15, r0 = t >> 4;
+  const u32 dst0 = dst + (chunk >> 3) * KEYS * 128 + r0 * 128 + (((chunk & 7) ^ r0) << 4);
+  const u64 stride = static_cast<u64>(kv_heads) * HEAD_DIM;
+  const bf16_t* src0 = x + (static_cast<u64>(seq_start) * kv_heads + kv) * HEAD_DIM + chunk * 8;
+  const u32 first = tile * KEYS + r0;
+  if (tile * KEYS + KEYS <= seq_len) {
+    const bf16_t* src = src0 + first * stride;
+#pragma unroll 8
+    for (u32 j = 0; j < KEYS / 8; ++j) cp_async16(dst0 + j * 1024, src + j * 8 * stride);
+  } else {
+#pragma unroll 4
+    for (u32 j = 0; j < KEYS / 8; ++j) {
+      const u32 key = min(first + 8 * j, seq_len - 1);
+      cp_async16(dst0 + j * 1024, src0 + key * stride);
+    }
+  }
+}
+
+/// The online softmax of one tile's scores `s`, in place (base 2, keys past a row's token
+/// masked): the rows' maxima and sums updated, and `alpha0`, `alpha1` the factors that bring
+/// the output accumulators to the new maxima ([`rescale`]).
+__device__ __forceinline__ void softmax_tile(float (&s)[64], float& alpha0, float& alpha1,
+                                             float& max0, float& max1, float& sum0, float& sum1,
+                                             u32 tile, u32 first_token, u32 token0, u32 token1,
+                                             u32 column, float scale_log2) {
+  if (tile * KEYS + KEYS - 1 > first_token) {
+#pragma unroll
+    for (u32 i = 0; i < 16; ++i) {
+#pragma unroll
+      for (u32 e = 0; e < 2; ++e) {
+        const u32 key = tile * KEYS + 8 * i + column + e;
+        if (key > token0) s[4 * i + e] = NEG_INF;
+        if (key > token1) s[4 * i + 2 + e] = NEG_INF;
+      }
+    }
+  }
+  float new0 = max0, new1 = max1;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    new0 = fmaxf(new0, fmaxf(s[4 * i], s[4 * i + 1]));
+    new1 = fmaxf(new1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 1));
+  new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 2));
+  new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 1));
+  new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 2));
+  // Every visited tile holds at least one key <= each row's token: the maxima are finite.
+  alpha0 = exp2f((max0 - new0) * scale_log2);
+  alpha1 = exp2f((max1 - new1) * scale_log2);
+  max0 = new0;
+  max1 = new1;
+  const float bias0 = new0 * scale_log2, bias1 = new1 * scale_log2;
+  float part0 = 0.0f, part1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[4 * i] = exp2f(fmaf(s[4 * i], scale_log2, -bias0));
+    s[4 * i + 1] = exp2f(fmaf(s[4 * i + 1], scale_log2, -bias0));
+    s[4 * i + 2] = exp2f(fmaf(s[4 * i + 2], scale_log2, -bias1));
+    s[4 * i + 3] = exp2f(fmaf(s[4 * i + 3], scale_log2, -bias1));
+    part0 += s[4 * i] + s[4 * i + 1];
+    part1 += s[4 * i + 2] + s[4 * i + 3];
+  }
+  sum0 = sum0 * alpha0 + part0;
+  sum1 = sum1 * alpha1 + part1;
+}
+
+/// P's register operands from the softmax's `s`: for keys 16j.., the accumulators of column
+/// chunks 2j and 2j + 1, rounded to bf16 pairs.
+__device__ __forceinline__ void pack_p(const float (&s)[64], u32 (&p)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    p[j][0] = pack_bf16(s[8 * j], s[8 * j + 1]);
+    p[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
+    p[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
+    p[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+/// The output accumulators brought to the rows' new maxima.
+__device__ __forceinline__ void rescale(float (&o)[64], float alpha0, float alpha1) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i] *= alpha0;
+    o[4 * i + 1] *= alpha0;
+    o[4 * i + 2] *= alpha1;
+    o[4 * i + 3] *= alpha1;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/// S = Q·Kᵀ for a warpgroup's 64 rows (`q_rows`: their Q tile) against the K tile at `sk`:
+/// the head dimension 16 at a time, 4 steps per 64-column half.
+__device__ __forceinline__ void scores(float (&s)[64], u32 q_rows, u32 sk) {
+#pragma unroll
+  for (u32 step = 0; step < 8; ++step) {
+    const u32 half = step >> 2, within = (step & 3) * 32;
+    wgmma_ss(s, descriptor(q_rows + half * ROWS * 128 + within, 16, 1024),
+             descriptor(sk + half * KEYS * 128 + within, 16, 1024), step > 0);
+  }
+}
+
+/// O += P·V over a tile's keys, 16 at a time. V is N-major: the two 64-column halves lie
+/// KEYS·128 bytes apart (leading offset), groups of 8 keys 1024 bytes apart (stride offset).
+__device__ __forceinline__ void values(float (&o)[64], const u32 (&p)[8][4], u32 sv) {
+#pragma unroll
+  for (u32 j = 0; j < 8; ++j) wgmma_rs(o, p[j], descriptor(sv + j * 16 * 128, KEYS * 128, 1024));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -158,8 +316,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                               float scale_log2) {
   extern __shared__ unsigned char smem[];
   const u32 base = (shared_address(smem) + 1023u) & ~1023u;
-  const u32 sq = base;
-  const u32 sk0 = base + TILE_BYTES, sv0 = base + 3 * TILE_BYTES;
+  // Q, K stages, V stages (tile t in stage t % STAGES), then the barriers: full (the
+  // producer's 128 threads' copies have landed) and empty (the consumers' 256 threads are
+  // done reading), for K and for V.
+  const u32 sq = base, sk0 = base + TILE_BYTES, sv0 = base + (1 + STAGES) * TILE_BYTES;
+  const u32 bars = base + (1 + 2 * STAGES) * TILE_BYTES;
+  // K and V have barriers of their own: K(t) is read in turn t and V(t) in turn t + 1, so each
+  // stage is refilled as soon as its own reader is done.
+  const u32 full_k = bars, full_v = bars + 8 * STAGES, empty_k = bars + 16 * STAGES,
+            empty_v = bars + 24 * STAGES;
 
   const u32 item = blockIdx.x / kv_heads, kv = blockIdx.x % kv_heads;
   if (item >= items) return;
@@ -170,128 +335,125 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const u32 last_token = (min(f0 + ROWS, rows) - 1) / group;
   const u32 tiles = last_token / KEYS + 1;
 
-  // Q, once: row r is (token, head) of row f0 + r, clamped into the sequence (never stored).
-#pragma unroll
-  for (u32 i = threadIdx.x; i < ROWS * 16; i += THREADS) {
-    const u32 r = i >> 4, chunk = i & 15;
-    const u32 f = min(f0 + r, rows - 1);
-    const u64 at =
-        (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM +
-        chunk * 8;
-    cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
+  if (threadIdx.x == 0) {
+    for (u32 s = 0; s < STAGES; ++s) {
+      mbar_init(full_k + 8 * s, 128);
+      mbar_init(full_v + 8 * s, 128);
+      mbar_init(empty_k + 8 * s, 256);
+      mbar_init(empty_v + 8 * s, 256);
+    }
   }
-  stage_kv(k, v, sk0, sv0, 0, seq_start, seq_len, kv_heads, kv);
-  cp_async_commit();
+  __syncthreads();
 
-  const u32 warpgroup = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const u32 warpgroup = threadIdx.x >> 7;
+  if (warpgroup == 2) {
+    // Producer: Q, K(0), then K(t + 1) before V(t): the order the consumers read them in.
+    // A stage is refilled once both consumers released it; its full barrier completes once
+    // every producer thread's copies into it have landed.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const u32 t = threadIdx.x - 256;
+    for (u32 i = t; i < ROWS * 16; i += 128) {
+      const u32 r = i >> 4, chunk = i & 15;
+      const u32 f = min(f0 + r, rows - 1);
+      const u64 at =
+          (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM +
+          chunk * 8;
+      cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
+    }
+    for (u32 tile = 0; tile < tiles; ++tile) {
+      if (tile == 0) {
+        stage(k, sk0, 0, t, seq_start, seq_len, kv_heads, kv);
+        cp_async_arrive(full_k);
+      }
+      if (tile + 1 < tiles) {
+        const u32 n = tile + 1, s = n % STAGES;
+        if (n >= STAGES) mbar_wait(empty_k + 8 * s, (n / STAGES - 1) & 1);
+        stage(k, sk0 + s * TILE_BYTES, n, t, seq_start, seq_len, kv_heads, kv);
+        cp_async_arrive(full_k + 8 * s);
+      }
+      const u32 s = tile % STAGES;
+      if (tile >= STAGES) mbar_wait(empty_v + 8 * s, (tile / STAGES - 1) & 1);
+      stage(v, sv0 + s * TILE_BYTES, tile, t, seq_start, seq_len, kv_heads, kv);
+      cp_async_arrive(full_v + 8 * s);
+    }
+    // Not leave with copies in flight.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // Consumers: see the schedule at the top. The two warpgroups take turns on the tensor
+  // cores (ping-pong), and each one's softmax overlaps its own P·V product.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const u32 mine = 1 + warpgroup, other = 2 - warpgroup;
+  if (warpgroup == 1) turn_pass(other);  // warpgroup 0 goes first
+
+  const u32 lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const u32 row0 = warpgroup * 64 + warp * 16 + (lane >> 2);
   const u32 token0 = min(f0 + row0, rows - 1) / group;
   const u32 token1 = min(f0 + row0 + 8, rows - 1) / group;
   const u32 column = 2 * (lane & 3);
+  const u32 q_rows = sq + warpgroup * 64 * 128;
 
-  float o[64];
+  float o[64], alpha0, alpha1;
+  u32 p[8][4];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
 
-  for (u32 tile = 0; tile < tiles; ++tile) {
-    const u32 stage = tile & 1;
-    const u32 sk = sk0 + stage * TILE_BYTES, sv = sv0 + stage * TILE_BYTES;
-    if (tile + 1 < tiles) {
-      // The other stage was last read in the previous tile, which ended with a barrier.
-      stage_kv(k, v, sk0 + (stage ^ 1) * TILE_BYTES, sv0 + (stage ^ 1) * TILE_BYTES, tile + 1,
-               seq_start, seq_len, kv_heads, kv);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
-
-    // 1. S = Q·Kᵀ over the head dimension, 16 at a time (4 steps per 64-column half).
-    float s[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = 0.0f;
-    wgmma_fence();
-#pragma unroll
-    for (u32 step = 0; step < 8; ++step) {
-      const u32 half = step >> 2, within = (step & 3) * 32;
-      const u64 a = descriptor(sq + half * ROWS * 128 + warpgroup * 64 * 128 + within, 16, 1024);
-      const u64 b = descriptor(sk + half * KEYS * 128 + within, 16, 1024);
-      wgmma_ss(s, a, b, 1);
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(s);
-
-    // 2. Mask, online softmax (base 2), rescale O.
-    if (tile * KEYS + KEYS - 1 > first_token) {
-#pragma unroll
-      for (u32 i = 0; i < 16; ++i) {
-#pragma unroll
-        for (u32 e = 0; e < 2; ++e) {
-          const u32 key = tile * KEYS + 8 * i + column + e;
-          if (key > token0) s[4 * i + e] = NEG_INF;
-          if (key > token1) s[4 * i + 2 + e] = NEG_INF;
-        }
-      }
-    }
-    float new0 = max0, new1 = max1;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      new0 = fmaxf(new0, fmaxf(s[4 * i], s[4 * i + 1]));
-      new1 = fmaxf(new1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 1));
-    new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 2));
-    new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 1));
-    new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 2));
-    // Every visited tile holds at least one key <= each row's token: the maxima are finite.
-    const float alpha0 = exp2f((max0 - new0) * scale_log2);
-    const float alpha1 = exp2f((max1 - new1) * scale_log2);
-    max0 = new0;
-    max1 = new1;
-    const float bias0 = new0 * scale_log2, bias1 = new1 * scale_log2;
-    float part0 = 0.0f, part1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      s[4 * i] = exp2f(fmaf(s[4 * i], scale_log2, -bias0));
-      s[4 * i + 1] = exp2f(fmaf(s[4 * i + 1], scale_log2, -bias0));
-      s[4 * i + 2] = exp2f(fmaf(s[4 * i + 2], scale_log2, -bias1));
-      s[4 * i + 3] = exp2f(fmaf(s[4 * i + 3], scale_log2, -bias1));
-      part0 += s[4 * i] + s[4 * i + 1];
-      part1 += s[4 * i + 2] + s[4 * i + 3];
-      o[4 * i] *= alpha0;
-      o[4 * i + 1] *= alpha0;
-      o[4 * i + 2] *= alpha1;
-      o[4 * i + 3] *= alpha1;
-    }
-    sum0 = sum0 * alpha0 + part0;
-    sum1 = sum1 * alpha1 + part1;
-
-    // 3. O += P·V over the tile's keys, 16 at a time; P's operand for keys 16j.. is built
-    //    from the accumulators of column chunks 2j and 2j + 1.
-    u32 p[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      p[j][0] = pack_bf16(s[8 * j], s[8 * j + 1]);
-      p[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
-      p[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
-      p[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (u32 j = 0; j < 8; ++j) {
-      // V is N-major: the two 64-column halves lie KEYS·128 bytes apart (leading offset),
-      // groups of 8 keys 1024 bytes apart (stride offset).
-      wgmma_rs(o, p[j], descriptor(sv + j * 16 * 128, KEYS * 128, 1024));
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(o);
-    __syncthreads();
+  // Turn 0: S(0) only.
+  {
+  float s[64];
+  mbar_wait(full_k, 0);
+  fence_proxy_async();
+  turn_wait(mine);
+  wgmma_fence();
+  scores(s, q_rows, sk0);
+  wgmma_commit();
+  turn_pass(other);
+  wgmma_wait_all();
+  fence_operands(s);
+  mbar_arrive(empty_k);
+  softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, 0, first_token, token0, token1,
+               column, scale_log2);
+  pack_p(s, p);
   }
+  for (u32 turn = 1; turn < tiles; ++turn) {
+    mbar_wait(full_k + 8 * (turn % STAGES), (turn / STAGES) & 1);
+    mbar_wait(full_v + 8 * ((turn - 1) % STAGES), ((turn - 1) / STAGES) & 1);
+    fence_proxy_async();
+    // S is fresh each turn: no register the products read is written by anything else
+    // while they run (ptxas would serialize them).
+    float s[64];
+    turn_wait(mine);
+    wgmma_fence();
+    scores(s, q_rows, sk0 + (turn % STAGES) * TILE_BYTES);
+    wgmma_commit();
+    wgmma_fence();
+    values(o, p, sv0 + ((turn - 1) % STAGES) * TILE_BYTES);
+    wgmma_commit();
+    turn_pass(other);
+    // S(t) is done while O += P(t-1)·V(t-1) may still run: the softmax overlaps it.
+    wgmma_wait<1>();
+    fence_operands(s);
+    mbar_arrive(empty_k + 8 * (turn % STAGES));
+    softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, turn, first_token, token0, token1,
+                 column, scale_log2);
+    wgmma_wait<0>();
+    fence_operands(o);
+    mbar_arrive(empty_v + 8 * ((turn - 1) % STAGES));
+    rescale(o, alpha0, alpha1);
+    pack_p(s, p);
+  }
+  // Last turn: O += P·V of the last tile. Warpgroup 1's pass would have no taker.
+  mbar_wait(full_v + 8 * ((tiles - 1) % STAGES), ((tiles - 1) / STAGES) & 1);
+  fence_proxy_async();
+  turn_wait(mine);
+  wgmma_fence();
+  values(o, p, sv0 + ((tiles - 1) % STAGES) * TILE_BYTES);
+  wgmma_commit();
+  if (warpgroup == 0) turn_pass(other);
+  wgmma_wait_all();
+  fence_operands(o);
 
   sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
   sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);

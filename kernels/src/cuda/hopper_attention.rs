@@ -7,8 +7,10 @@
 //! compiled at run time by NVRTC for `sm_90a`: CubeCL 0.10 emits `mma.sync` but not the
 //! warpgroup products (`wgmma.mma_async`), which only exist for compute capability 9.0 with
 //! the architecture-specific target. Both products run on `wgmma` (`HGMMA` in the SASS), S
-//! and P stay in registers, and the K/V tiles of the next step are copied (`cp.async`) while
-//! the current one is computed.
+//! and P stay in registers. FlashAttention-3's schedule: a producer warpgroup stages the K/V
+//! tiles (`cp.async`, three deep, `mbarrier`s) while two consumer warpgroups take turns on the
+//! tensor cores, one's softmax running while the other's products do (and while its own
+//! P·V product does).
 //!
 //! The kernel runs on a stream of its own: [`HopperAttention::run`] waits for CubeCL's queued
 //! work first and for its stream after, like the cuBLAS wrappers.
@@ -34,15 +36,15 @@ const ENTRY: &str = "sala_flash_attention_sm90";
 /// The head dimension the kernel is written for.
 pub const HOPPER_HEAD_DIM: usize = 128;
 
-/// Rows (token, query head pairs) per thread block: two warpgroups of 64.
+/// Rows (token, query head pairs) per thread block: two consumer warpgroups of 64.
 pub const HOPPER_ROWS_PER_BLOCK: usize = 128;
 
-/// Threads per block: two warpgroups.
-const THREADS: u32 = 256;
+/// Threads per block: two consumer warpgroups and one producer warpgroup.
+const THREADS: u32 = 384;
 
-/// Dynamic shared memory per block: the Q tile, two K and two V tiles (128 × 128 bf16 each),
-/// and 1024 bytes to align them to the swizzle pattern.
-const SHARED_BYTES: u32 = 5 * 128 * 128 * 2 + 1024;
+/// Dynamic shared memory per block: the Q tile, three K and three V tiles (128 × 128 bf16
+/// each), 128 bytes of `mbarrier`s, and 1024 bytes to align the tiles to the swizzle pattern.
+const SHARED_BYTES: u32 = 7 * 128 * 128 * 2 + 128 + 1024;
 
 /// The Hopper attention kernel, compiled and loaded on one device.
 #[derive(Debug)]
