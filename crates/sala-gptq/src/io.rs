@@ -72,8 +72,9 @@ pub enum SolvedLinear {
     Nvfp4(Nvfp4Matrix, f32),
 }
 
-/// Receives each finished layer's tensors.
-pub trait LayerSink {
+/// Receives each finished layer's tensors. `Send`: the engine hands a layer over on a thread
+/// of its own while the next forward runs.
+pub trait LayerSink: Send {
     /// The quantized linear `module` (module name without `.weight`).
     fn quantized(&mut self, module: &str, linear: &SolvedLinear) -> Result<(), PipelineError>;
 

@@ -73,7 +73,8 @@ pub struct StageSeconds {
     pub solve: f64,
     /// Forward passes with the quantized weights.
     pub propagate: f64,
-    /// Writing tensors.
+    /// Writing tensors: on a thread of its own, beside [`propagate`](Self::propagate) (so not
+    /// part of the layer's wall time unless it outlasts the forward).
     pub write: f64,
 }
 
