@@ -178,9 +178,12 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
         out: usize,
         inp: usize,
         h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
-    ) -> Result<sala_gptq::hessian::QuantizedLinear, sala_gptq::hessian::HessianError> {
-        self.0
-            .solve_gptq_resident(config, weights, out, inp, &device_view(h)?)
+    ) -> Result<sala_gptq::hessian::UnfinishedGptq, sala_gptq::hessian::HessianError> {
+        let h = device_view(h)?;
+        let (unfinished, _) = self
+            .0
+            .solve_gptq_resident_unfinished(config, None, weights, out, inp, &h)?;
+        Ok(unfinished)
     }
 
     fn solve_gptq_with_baseline(
@@ -192,7 +195,7 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
         inp: usize,
         h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
     ) -> Result<sala_gptq::WithBaseline, sala_gptq::hessian::HessianError> {
-        let (quantized, baseline) = self.0.solve_gptq_resident_with_baseline(
+        let (quantized, baseline) = self.0.solve_gptq_resident_unfinished(
             config,
             Some(baseline),
             weights,

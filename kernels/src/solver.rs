@@ -25,7 +25,7 @@ use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
     Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
     Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult, Nvfp4SearchResult, QuantizedLinear, Rtn,
-    StepSeconds, UpperFactorizer,
+    StepSeconds, UnfinishedGptq, UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -232,6 +232,24 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         inp: usize,
         h: &MatrixView,
     ) -> Result<(QuantizedLinear, Option<RtnBaseline>), HessianError> {
+        let (unfinished, baseline) =
+            self.solve_gptq_resident_unfinished(config, baseline, weights, out, inp, h)?;
+        let q = self.steps.time("finish (host)", || unfinished.finish())?;
+        Ok((q, baseline))
+    }
+
+    /// [`solve_gptq_resident_with_baseline`](Self::solve_gptq_resident_with_baseline) up to
+    /// the host's finishing, which the caller may run on another thread while this solver
+    /// goes on with the next linear: everything on the device is done when it returns.
+    pub fn solve_gptq_resident_unfinished(
+        &self,
+        config: &GptqConfig,
+        baseline: Option<IntGrid>,
+        weights: &[f32],
+        out: usize,
+        inp: usize,
+        h: &MatrixView,
+    ) -> Result<(UnfinishedGptq, Option<RtnBaseline>), HessianError> {
         let gptq = Gptq::new(*config)?;
         if (h.rows, h.cols) != (inp, inp) {
             return Err(HessianError::DimensionMismatch {
@@ -276,10 +294,8 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         if config.static_groups && config.grid.group_size.is_some() {
             // Static groups keep the host loop: the Hessian comes to the host.
             let host = Hessian::<f32>::from_row_major(inp, &h.download(client)?)?;
-            return Ok((
-                gptq.solve_with_loop(weights, out, inp, &host, self)?,
-                baseline,
-            ));
+            let q = gptq.solve_with_loop(weights, out, inp, &host, self)?;
+            return Ok((UnfinishedGptq::finished(q), baseline));
         }
         let factor = self.timed("factor", || {
             self.damped_factor(h, &prepared, &config.damping, &diag)
@@ -294,7 +310,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                             self.proxy_error(h, weights, &q.dequantized, out, inp)
                         })?);
                     }
-                    Ok((q, baseline))
+                    Ok((UnfinishedGptq::finished(q), baseline))
                 }
             };
         };
@@ -324,13 +340,10 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         };
         drop(w_view);
         let sol = self.download_columns(result)?;
-        let finish_start = std::time::Instant::now();
-        let q = gptq.finish(weights, &prepared, sol, None, attempt, |_| {
-            proxy.ok_or_else(|| HessianError::Device("no proxy error computed".into()))
-        })?;
-        self.steps
-            .add("finish (host)", finish_start.elapsed().as_secs_f64());
-        Ok((q, baseline))
+        Ok((
+            gptq.unfinished(out, prepared, sol, attempt, proxy),
+            baseline,
+        ))
     }
 
     /// The proxy output error of round-to-nearest on `grid` of the weights `w` (on the device,

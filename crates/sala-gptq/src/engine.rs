@@ -21,9 +21,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 use sala_formats::nvfp4::global_scale_from_amax;
-use sala_formats::{BlockScales, Nvfp4Matrix};
+use sala_formats::{BlockScales, GptqPacked, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
-use sala_hessian::{proxy_error, Gptq, Hessian, IntGrid, Method};
+use sala_hessian::{
+    proxy_error, Gptq, Hessian, HessianError, IntGrid, Method, QuantizedLinear, UnfinishedGptq,
+};
 use sala_model::{
     input_groups, DeviceLayerWeights, DeviceMemory, InputGroup, LayerRunner, LayerWeights,
     SalaConfig,
@@ -750,62 +752,147 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .filter(|l| stage.contains(&group_of[l.name.as_str()]))
             .cloned()
             .collect();
-        for linear in planned {
-            let t = Instant::now();
-            let g = group_of[linear.name.as_str()];
-            let input = stats[g].as_ref().ok_or_else(|| {
-                PipelineError::NoSamples(format!("no statistics for {}", linear.name))
-            })?;
-            let weight_name = format!("{}.weight", linear.name);
-            let w = weights.get_mut(&weight_name)?;
-            let mut report = LinearReport {
-                name: linear.name.clone(),
-                treatment: treatment_label(&linear.treatment),
-                out_features: linear.out_features,
-                in_features: linear.in_features,
-                gptq_loss: None,
-                output_error: None,
-                baseline_output_error: None,
-                smooth_scale_range: smoothed.get(&linear.name).map(|s| s.range),
-                smooth_alpha: smoothed.get(&linear.name).map(|s| s.alpha),
-                damping_retries: 0,
-                rtn_fallback: false,
-                seconds: 0.0,
-                solve_steps: BTreeMap::new(),
-            };
-            if input.dim() != linear.in_features {
-                return Err(PipelineError::Unsupported(format!(
-                    "{}: statistics of dimension {} for {} input features",
-                    linear.name,
-                    input.dim(),
-                    linear.in_features
-                )));
+        // A GPTQ linear's host finishing and packing run on a thread of their own while the
+        // next linear is solved (a device would wait for them otherwise); one at a time, and
+        // settled in the plan's order, which the reports and the checkpoint keep.
+        std::thread::scope(|scope| {
+            let mut finishing: Option<Finishing<'_>> = None;
+            for linear in planned {
+                let (report, outcome) =
+                    self.solve_linear(&linear, &group_of, weights, stats, smoothed, &fused_scales)?;
+                if let Some(previous) = finishing.take() {
+                    solved.push(self.settle(previous, weights)?);
+                }
+                match outcome {
+                    SolveOutcome::Done(result) => {
+                        self.linears.push(report);
+                        solved.push((linear.name, result));
+                    }
+                    SolveOutcome::Finishing(unfinished) => {
+                        finishing = Some(Finishing {
+                            name: linear.name,
+                            report,
+                            handle: scope.spawn(move || finish_and_pack(unfinished)),
+                        })
+                    }
+                }
+                self.release_free_pages();
+                progress.step();
             }
-            let result = match (&linear.treatment, input) {
-                (Treatment::Int { bits, group_size }, h @ Finalized::Full(_))
-                | (Treatment::Int { bits, group_size }, h @ Finalized::DeviceFull(_)) => {
-                    self.solve_gptq(&linear, *bits, *group_size, &mut w.data, h, &mut report)?
-                }
-                (Treatment::Nvfp4, stats @ Finalized::Diagonal(_))
-                | (Treatment::Nvfp4, stats @ Finalized::FullAndChannels(..)) => {
-                    let global = fused_scales[&linear.name];
-                    self.solve_nvfp4(&linear, &mut w.data, stats, global, &mut report)?
-                }
-                _ => {
-                    return Err(PipelineError::Unsupported(format!(
-                        "{}: treatment and statistics disagree",
-                        linear.name
-                    )))
-                }
-            };
-            report.seconds = seconds_since(t);
-            self.add_solver_steps(&mut report.solve_steps);
-            self.linears.push(report);
-            solved.push((linear.name.clone(), result));
-            self.release_free_pages();
-            progress.step();
+            if let Some(last) = finishing {
+                solved.push(self.settle(last, weights)?);
+            }
+            Ok(solved)
+        })
+    }
+
+    /// Solves one planned linear, its report so far with it.
+    fn solve_linear(
+        &mut self,
+        linear: &PlannedLinear,
+        group_of: &BTreeMap<&str, usize>,
+        weights: &mut LayerWeights,
+        stats: &[Option<Finalized<B>>],
+        smoothed: &BTreeMap<String, Smoothed>,
+        fused_scales: &BTreeMap<String, f32>,
+    ) -> Result<(LinearReport, SolveOutcome), PipelineError> {
+        let t = Instant::now();
+        let g = group_of[linear.name.as_str()];
+        let input = stats[g].as_ref().ok_or_else(|| {
+            PipelineError::NoSamples(format!("no statistics for {}", linear.name))
+        })?;
+        let weight_name = format!("{}.weight", linear.name);
+        let w = weights.get_mut(&weight_name)?;
+        let mut report = LinearReport {
+            name: linear.name.clone(),
+            treatment: treatment_label(&linear.treatment),
+            out_features: linear.out_features,
+            in_features: linear.in_features,
+            gptq_loss: None,
+            output_error: None,
+            baseline_output_error: None,
+            smooth_scale_range: smoothed.get(&linear.name).map(|s| s.range),
+            smooth_alpha: smoothed.get(&linear.name).map(|s| s.alpha),
+            damping_retries: 0,
+            rtn_fallback: false,
+            seconds: 0.0,
+            solve_steps: BTreeMap::new(),
+        };
+        if input.dim() != linear.in_features {
+            return Err(PipelineError::Unsupported(format!(
+                "{}: statistics of dimension {} for {} input features",
+                linear.name,
+                input.dim(),
+                linear.in_features
+            )));
         }
-        Ok(solved)
+        let result = match (&linear.treatment, input) {
+            (Treatment::Int { bits, group_size }, h @ Finalized::Full(_))
+            | (Treatment::Int { bits, group_size }, h @ Finalized::DeviceFull(_)) => {
+                SolveOutcome::Finishing(self.solve_gptq(
+                    linear,
+                    *bits,
+                    *group_size,
+                    &w.data,
+                    h,
+                    &mut report,
+                )?)
+            }
+            (Treatment::Nvfp4, stats @ Finalized::Diagonal(_))
+            | (Treatment::Nvfp4, stats @ Finalized::FullAndChannels(..)) => {
+                let global = fused_scales[&linear.name];
+                SolveOutcome::Done(self.solve_nvfp4(
+                    linear,
+                    &mut w.data,
+                    stats,
+                    global,
+                    &mut report,
+                )?)
+            }
+            _ => {
+                return Err(PipelineError::Unsupported(format!(
+                    "{}: treatment and statistics disagree",
+                    linear.name
+                )))
+            }
+        };
+        report.seconds = seconds_since(t);
+        self.add_solver_steps(&mut report.solve_steps);
+        Ok((report, result))
+    }
+
+    /// Waits for a GPTQ linear's host finishing, records it in its report and replaces its
+    /// weight by the dequantized one (a move: no 268 MB copy).
+    fn settle(
+        &mut self,
+        finishing: Finishing<'_>,
+        weights: &mut LayerWeights,
+    ) -> Result<(String, SolvedLinear), PipelineError> {
+        let Finishing {
+            name,
+            mut report,
+            handle,
+        } = finishing;
+        let finished = handle
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            .map_err(|source| PipelineError::Solve {
+                linear: name.clone(),
+                source,
+            })?;
+        let q = finished.quantized;
+        report.gptq_loss = Some(q.loss);
+        report.output_error = q.proxy_error;
+        report.damping_retries = q.damping_retries;
+        report.rtn_fallback = q.method == Method::RtnFallback;
+        if let Some(seconds) = finished.finish_seconds {
+            report.add_step("solver: finish (host)", seconds);
+        }
+        report.add_step("pack", finished.pack_seconds);
+        report.seconds += finished.finish_seconds.unwrap_or(0.0) + finished.pack_seconds;
+        weights.get_mut(&format!("{name}.weight"))?.data = q.dequantized;
+        self.linears.push(report);
+        Ok((name, SolvedLinear::Gptq(finished.packed)))
     }
 
     /// Adds the solvers' own step times since the last call to `steps`, as `solver: STEP`.
@@ -817,15 +904,17 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         }
     }
 
+    /// GPTQ of one linear up to the host's finishing ([`finish_and_pack`]), which the caller
+    /// runs beside the next linear's solve.
     fn solve_gptq(
         &self,
         linear: &PlannedLinear,
         bits: u32,
         group_size: usize,
-        w: &mut Vec<f32>,
+        w: &[f32],
         h: &Finalized<B>,
         report: &mut LinearReport,
-    ) -> Result<SolvedLinear, PipelineError> {
+    ) -> Result<UnfinishedGptq, PipelineError> {
         let (out, inp) = (linear.out_features, linear.in_features);
         let opts = &self.options.gptq;
         let config = opts.solver_config(bits, group_size);
@@ -866,7 +955,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let plain = IntGrid { clip: None, ..grid };
         let t = Instant::now();
         let (q, baseline) = match resident {
-            _ if opts.rtn => (rtn(grid)?, None),
+            _ if opts.rtn => (UnfinishedGptq::finished(rtn(grid)?), None),
             // One upload of the weights serves the solve and the baseline.
             Some((solver, device_h)) if self.options.compare_rtn => {
                 let both = solver
@@ -882,9 +971,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 None,
             ),
             None => (
-                self.solver
-                    .solve_gptq(&config, w, out, inp, host_hessian()?)
-                    .map_err(solve_err)?,
+                UnfinishedGptq::finished(
+                    self.solver
+                        .solve_gptq(&config, w, out, inp, host_hessian()?)
+                        .map_err(solve_err)?,
+                ),
                 None,
             ),
         };
@@ -901,16 +992,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.baseline_output_error = error;
             report.add_step("baseline", seconds);
         }
-        report.gptq_loss = Some(q.loss);
-        report.output_error = q.proxy_error;
-        report.damping_retries = q.damping_retries;
-        report.rtn_fallback = q.method == Method::RtnFallback;
-        let t = Instant::now();
-        let packed = q.pack().map_err(solve_err)?;
-        report.add_step("pack", seconds_since(t));
-        // The dequantized weight replaces the original (a move: no 268 MB copy).
-        *w = q.dequantized;
-        Ok(SolvedLinear::Gptq(packed))
+        Ok(q)
     }
 
     fn solve_nvfp4(
@@ -1091,6 +1173,47 @@ fn concat_rows<B: Backend>(parts: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
 
 /// Hands a finished layer to `sink`: the solved linears, then every other tensor (`modified`
 /// names those smoothing changed).
+/// One linear's result from [`Engine::solve_linear`].
+enum SolveOutcome {
+    /// Solved, packed, its weight replaced by the dequantized one.
+    Done(SolvedLinear),
+    /// GPTQ whose host finishing is still to run ([`finish_and_pack`], then `settle`).
+    Finishing(UnfinishedGptq),
+}
+
+/// A GPTQ linear whose host finishing runs on a thread of the solve loop's scope.
+struct Finishing<'scope> {
+    name: String,
+    report: LinearReport,
+    handle: std::thread::ScopedJoinHandle<'scope, Result<FinishedGptq, HessianError>>,
+}
+
+/// [`finish_and_pack`]'s result.
+struct FinishedGptq {
+    quantized: QuantizedLinear,
+    packed: GptqPacked,
+    /// Seconds of the finishing, when there was any to do.
+    finish_seconds: Option<f64>,
+    pack_seconds: f64,
+}
+
+/// The host's part of a GPTQ linear after the solver's: finishing (codes back in the original
+/// order, the dequantized weight) and the AutoGPTQ packing.
+fn finish_and_pack(unfinished: UnfinishedGptq) -> Result<FinishedGptq, HessianError> {
+    let t = Instant::now();
+    let finishing = unfinished.needs_finishing();
+    let quantized = unfinished.finish()?;
+    let finish_seconds = finishing.then(|| seconds_since(t));
+    let t = Instant::now();
+    let packed = quantized.pack()?;
+    Ok(FinishedGptq {
+        quantized,
+        packed,
+        finish_seconds,
+        pack_seconds: seconds_since(t),
+    })
+}
+
 fn hand_over(
     sink: &mut dyn LayerSink,
     solved: &[(String, SolvedLinear)],

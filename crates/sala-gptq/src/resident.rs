@@ -6,7 +6,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use sala_hessian::{GptqConfig, HessianError, IntGrid, QuantizedLinear};
+use sala_hessian::{GptqConfig, HessianError, IntGrid, QuantizedLinear, UnfinishedGptq};
 
 /// GPTQ on a Hessian in the device memory of backend `B`.
 pub trait ResidentSolver<B: Backend> {
@@ -16,7 +16,9 @@ pub trait ResidentSolver<B: Backend> {
     /// GPTQ of `weights` `[out, inp]` (row-major f32, host) with the normalized, smoothed
     /// Hessian `h` `[inp, inp]` (f32 on the device; its lower triangle is the one factored):
     /// what `LinearSolver::solve_gptq` returns for the same Hessian on the host, up to f32
-    /// summation orders. `h` is left as it is.
+    /// summation orders. `h` is left as it is. The device's work is done when it returns;
+    /// the host's finishing may be left to the caller ([`UnfinishedGptq::finish`]), who can
+    /// run it beside the next linear's solve.
     fn solve_gptq(
         &self,
         config: &GptqConfig,
@@ -24,7 +26,7 @@ pub trait ResidentSolver<B: Backend> {
         out: usize,
         inp: usize,
         h: &Tensor<B, 2>,
-    ) -> Result<QuantizedLinear, HessianError>;
+    ) -> Result<UnfinishedGptq, HessianError>;
 
     /// Round-to-nearest of `weights` on `grid` (the `--rtn` path and the report's baseline)
     /// with its proxy output error under the device Hessian `h`.
@@ -71,10 +73,10 @@ pub trait ResidentSolver<B: Backend> {
 
 /// GPTQ's result with the report's round-to-nearest baseline
 /// ([`ResidentSolver::solve_gptq_with_baseline`]).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct WithBaseline {
-    /// The GPTQ result.
-    pub quantized: QuantizedLinear,
+    /// The GPTQ result, its host finishing possibly still to do.
+    pub quantized: UnfinishedGptq,
     /// The baseline's proxy output error `tr(D·H·Dᵀ)`.
     pub baseline_proxy_error: Option<f64>,
     /// Wall seconds spent on the baseline (part of the call's).

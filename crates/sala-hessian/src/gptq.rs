@@ -539,7 +539,7 @@ impl Gptq {
             percdamp: inverse.percdamp(),
         };
         self.finish(
-            weights,
+            out,
             &prepared,
             sol,
             static_params.as_deref(),
@@ -612,12 +612,12 @@ impl Gptq {
         self.quantizer
     }
 
-    /// The result from the column loop's `sol` (loop order): codes and parameters back in the
-    /// original order, `g_idx`, the dequantized weight, the losses, and the proxy error from
-    /// `proxy(dequantized)` when the options ask for it. `weights` are the original ones.
+    /// The result from the column loop's `sol` (loop order) for `out` rows: codes and
+    /// parameters back in the original order, `g_idx`, the dequantized weight, the losses,
+    /// and the proxy error from `proxy(dequantized)` when the options ask for it.
     pub fn finish(
         &self,
-        weights: &[f32],
+        out: usize,
         prepared: &GptqPreparation,
         sol: ColumnSolution,
         static_params: Option<&[QuantParams]>,
@@ -625,7 +625,6 @@ impl Gptq {
         proxy: impl FnOnce(&[f32]) -> Result<f64, HessianError>,
     ) -> Result<QuantizedLinear, HessianError> {
         let (inp, gs, perm) = (prepared.order.len(), prepared.group_size, &prepared.order);
-        let out = weights.len() / inp.max(1);
         let groups = inp.div_ceil(gs);
         let (params, g_idx) = match static_params {
             Some(p) => (
@@ -689,6 +688,27 @@ impl Gptq {
         })
     }
 
+    /// `sol` for `out` rows with its proxy error already known (`None` when the options do
+    /// not ask for it), to be [`finish`](Self::finish)ed later, possibly on another thread:
+    /// what a device solver hands back once the device's part is done.
+    pub fn unfinished(
+        &self,
+        out: usize,
+        prepared: GptqPreparation,
+        sol: ColumnSolution,
+        attempt: DampingAttempt,
+        proxy_error: Option<f64>,
+    ) -> UnfinishedGptq {
+        UnfinishedGptq(Unfinished::Columns(Box::new(ColumnsToFinish {
+            gptq: self.clone(),
+            out,
+            prepared,
+            sol,
+            attempt,
+            proxy_error,
+        })))
+    }
+
     /// Round-to-nearest in place of GPTQ (the [`FailurePolicy::Rtn`] fallback), the proxy
     /// error under `h` when given.
     pub fn rtn_fallback<T: HessianScalar>(
@@ -704,6 +724,57 @@ impl Gptq {
         result.method = Method::RtnFallback;
         result.damping_retries = self.config.damping.max_retries;
         Ok(result)
+    }
+}
+
+/// A GPTQ result whose host finishing (codes and parameters back in the original order, the
+/// dequantized weight: tens of milliseconds for a large linear) may still be to do. `Send`:
+/// a caller can [`finish`](Self::finish) it on another thread while a device solves the next
+/// linear.
+#[derive(Debug)]
+pub struct UnfinishedGptq(Unfinished);
+
+#[derive(Debug)]
+enum Unfinished {
+    Finished(Box<QuantizedLinear>),
+    Columns(Box<ColumnsToFinish>),
+}
+
+/// [`Gptq::finish`]'s arguments, the proxy error already known.
+#[derive(Debug)]
+struct ColumnsToFinish {
+    gptq: Gptq,
+    out: usize,
+    prepared: GptqPreparation,
+    sol: ColumnSolution,
+    attempt: DampingAttempt,
+    proxy_error: Option<f64>,
+}
+
+impl UnfinishedGptq {
+    /// A result with nothing left to do (a host solve, a fallback).
+    pub fn finished(quantized: QuantizedLinear) -> Self {
+        Self(Unfinished::Finished(Box::new(quantized)))
+    }
+
+    /// Whether [`finish`](Self::finish) has work to do.
+    pub fn needs_finishing(&self) -> bool {
+        matches!(self.0, Unfinished::Columns(_))
+    }
+
+    /// The finished result.
+    pub fn finish(self) -> Result<QuantizedLinear, HessianError> {
+        match self.0 {
+            Unfinished::Finished(quantized) => Ok(*quantized),
+            Unfinished::Columns(c) => {
+                let proxy_error = c.proxy_error;
+                c.gptq
+                    .finish(c.out, &c.prepared, c.sol, None, c.attempt, |_| {
+                        proxy_error
+                            .ok_or_else(|| HessianError::Device("no proxy error computed".into()))
+                    })
+            }
+        }
     }
 }
 

@@ -40,7 +40,7 @@ pub use error::HessianError;
 pub use faer;
 pub use gptq::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FailurePolicy, Gptq,
-    GptqColumnLoop, GptqConfig, GptqPreparation,
+    GptqColumnLoop, GptqConfig, GptqPreparation, UnfinishedGptq,
 };
 pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,

@@ -4,7 +4,7 @@
 use burn::tensor::Tensor;
 use sala_gptq::hessian::{
     GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4SearchResult,
-    QuantizedLinear,
+    QuantizedLinear, UnfinishedGptq,
 };
 use sala_gptq::model::SalaConfig;
 use sala_gptq::synthetic::random_samples;
@@ -225,9 +225,10 @@ impl ResidentSolver<CpuBackend> for DownloadingResident {
         out: usize,
         inp: usize,
         h: &Tensor<CpuBackend, 2>,
-    ) -> Result<QuantizedLinear, HessianError> {
+    ) -> Result<UnfinishedGptq, HessianError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        CpuSolver.solve_gptq(config, weights, out, inp, &Self::host(h))
+        let q = CpuSolver.solve_gptq(config, weights, out, inp, &Self::host(h))?;
+        Ok(UnfinishedGptq::finished(q))
     }
 
     fn quantize_rtn(

@@ -6,9 +6,9 @@ use common::*;
 use proptest::prelude::*;
 use sala_hessian::reference::{gptq_sequential, inverse_upper_textbook};
 use sala_hessian::{
-    BlockedLoop, CholeskyInverse, ColumnProblem, ColumnSolution, Damping, FailurePolicy, Gptq,
-    GptqColumnLoop, GptqConfig, Hessian, HessianError, IntGrid, IntScheme, Method, QuantizedLinear,
-    Rtn, UpperFactorizer,
+    BlockedLoop, CholeskyInverse, ColumnProblem, ColumnSolution, Damping, DampingAttempt,
+    FailurePolicy, Gptq, GptqColumnLoop, GptqConfig, Hessian, HessianError, IntGrid, IntScheme,
+    Method, QuantizedLinear, Rtn, UnfinishedGptq, UpperFactorizer,
 };
 
 const SCHEMES: [IntScheme; 3] = [
@@ -575,4 +575,78 @@ fn a_pluggable_factorizer_gives_the_same_inverse_and_retries_like_the_host() {
         2
     );
     assert_eq!(solved.damping_retries, 1);
+}
+
+/// The host's column loop, keeping a copy of its solution.
+#[derive(Default)]
+struct Recording(std::sync::Mutex<Option<ColumnSolution>>);
+
+impl GptqColumnLoop for Recording {
+    fn run(
+        &self,
+        problem: &ColumnProblem<'_>,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution, HessianError> {
+        let sol = BlockedLoop.run(problem, w)?;
+        *self.0.lock().unwrap() = Some(sol.clone());
+        Ok(sol)
+    }
+}
+
+#[test]
+fn finishing_later_gives_the_solve_s_result_exactly() {
+    let mut rng = rng(21);
+    let (out, inp, gs) = (12, 160, 32);
+    let w = weights(&mut rng, out, inp);
+    let h = correlated_hessian::<f64>(&mut rng, inp, 3, 120);
+    let natural = config(4, IntScheme::SymmetricIst, Some(gs));
+    let orders = [
+        natural,
+        GptqConfig {
+            group_aware_order: true,
+            ..natural
+        },
+        GptqConfig {
+            act_order: true,
+            ..natural
+        },
+    ];
+    for cfg in orders {
+        let gptq = Gptq::new(cfg).unwrap();
+        let recording = Recording::default();
+        let solved = gptq.solve_with_loop(&w, out, inp, &h, &recording).unwrap();
+        let sol = recording.0.lock().unwrap().take().unwrap();
+        let prepared = gptq.prepare(&w, out, inp, &h.diagonal()).unwrap();
+        let attempt = DampingAttempt {
+            retries: solved.damping_retries,
+            percdamp: solved.percdamp,
+        };
+        let unfinished = gptq.unfinished(out, prepared, sol, attempt, solved.proxy_error);
+        assert!(unfinished.needs_finishing());
+        // Finished on another thread, as the pipeline does.
+        let later = std::thread::spawn(move || unfinished.finish())
+            .join()
+            .unwrap()
+            .unwrap();
+        assert_eq!(later, solved, "{cfg:?}");
+
+        let done = UnfinishedGptq::finished(solved.clone());
+        assert!(!done.needs_finishing());
+        assert_eq!(done.finish().unwrap(), solved);
+    }
+    // Without the proxy error the options ask for, finishing is an error, not a guess.
+    let gptq = Gptq::new(natural).unwrap();
+    let recording = Recording::default();
+    let solved = gptq.solve_with_loop(&w, out, inp, &h, &recording).unwrap();
+    let sol = recording.0.lock().unwrap().take().unwrap();
+    let prepared = gptq.prepare(&w, out, inp, &h.diagonal()).unwrap();
+    let attempt = DampingAttempt {
+        retries: solved.damping_retries,
+        percdamp: solved.percdamp,
+    };
+    let err = gptq
+        .unfinished(out, prepared, sol, attempt, None)
+        .finish()
+        .unwrap_err();
+    assert!(err.to_string().contains("proxy error"), "{err}");
 }
