@@ -94,6 +94,11 @@ pub struct LayerEngine<'a, B: Backend> {
     layer_peak: Option<DeviceMemory>,
     /// Peak device memory of the run.
     peak_device: Option<DeviceMemory>,
+    /// Rayon threads of their own for GPTQ's host finishing ([`finish_and_pack`]), which runs
+    /// beside the next linear's solve: the solve's parallel steps on the global pool (checks,
+    /// uploads) must not queue behind it. Built at first use; `None` inside when the threads
+    /// could not be made (the global pool serves then).
+    finishing_pool: std::cell::OnceCell<Option<Arc<rayon::ThreadPool>>>,
 }
 
 /// What a layer's capture leaves: the finalized statistics per input group (`None` where no
@@ -146,6 +151,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             linears: Vec::new(),
             layer_peak: None,
             peak_device: None,
+            finishing_pool: std::cell::OnceCell::new(),
         })
     }
 
@@ -755,6 +761,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         // A GPTQ linear's host finishing and packing run on a thread of their own while the
         // next linear is solved (a device would wait for them otherwise); one at a time, and
         // settled in the plan's order, which the reports and the checkpoint keep.
+        let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
             for linear in planned {
@@ -772,7 +779,13 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                         finishing = Some(Finishing {
                             name: linear.name,
                             report,
-                            handle: scope.spawn(move || finish_and_pack(unfinished)),
+                            handle: {
+                                let pool = pool.clone();
+                                scope.spawn(move || match pool {
+                                    Some(pool) => pool.install(|| finish_and_pack(unfinished)),
+                                    None => finish_and_pack(unfinished),
+                                })
+                            },
                         })
                     }
                 }
@@ -859,6 +872,19 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         report.seconds = seconds_since(t);
         self.add_solver_steps(&mut report.solve_steps);
         Ok((report, result))
+    }
+
+    /// The threads for GPTQ's host finishing, built at first use: half as many as the global
+    /// pool's.
+    fn finishing_pool(&self) -> &Option<Arc<rayon::ThreadPool>> {
+        self.finishing_pool.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads((rayon::current_num_threads() / 2).max(1))
+                .thread_name(|i| format!("sala-finish-{i}"))
+                .build()
+                .ok()
+                .map(Arc::new)
+        })
     }
 
     /// Waits for a GPTQ linear's host finishing, records it in its report and replaces its
