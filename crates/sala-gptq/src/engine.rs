@@ -315,7 +315,9 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     }
 
     /// Quantizes decoder layer `layer` of `source`: capture and accumulate, smooth, solve, hand
-    /// the layer to `sink`, propagate `hidden` through the quantized layer.
+    /// the layer to `sink`, propagate `hidden` through the quantized layer (not through the
+    /// model's last layer when nothing calibrated reads its outputs: `hidden` then stays its
+    /// input).
     pub fn layer(
         &mut self,
         layer: usize,
@@ -409,11 +411,18 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 let t = Instant::now();
                 hand_over(sink, &solved, &weights, &quantized, &modified).map(|()| seconds_since(t))
             });
-            let t = Instant::now();
-            progress.stage(Stage::Propagate, self.active.len());
-            let propagated = self.propagate(layer, &weights, hidden, progress);
-            self.release_free_pages();
-            let propagated = propagated.map(|()| seconds_since(t));
+            let propagated = match self.outputs_read(layer) {
+                true => {
+                    let t = Instant::now();
+                    progress.stage(Stage::Propagate, self.active.len());
+                    let propagated = self.propagate(layer, &weights, hidden, progress);
+                    self.release_free_pages();
+                    propagated.map(|()| seconds_since(t))
+                }
+                // The last layer's outputs feed nothing that is calibrated (`lm_head` is
+                // kept in 16 bits): a forward through it would be thrown away.
+                false => Ok(0.0),
+            };
             let written = writer
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -425,6 +434,13 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         report.peak_rss_bytes = peak_rss_bytes();
         self.peak_device = max_memory(self.peak_device, self.layer_peak);
         Ok(report)
+    }
+
+    /// Whether anything calibrated reads layer `layer`'s outputs: the next layer, or after the
+    /// last one a quantized `lm_head`.
+    fn outputs_read(&self, layer: usize) -> bool {
+        layer + 1 < self.runner.config().num_layers()
+            || self.plan.quantized().any(|l| l.layer.is_none())
     }
 
     /// What the run used and produced so far.

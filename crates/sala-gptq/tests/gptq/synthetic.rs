@@ -329,3 +329,35 @@ fn a_chunked_mlp_quantizes_as_whole_packs_do() {
         assert!(err.contains("mlp_rows"), "{err}");
     }
 }
+
+#[test]
+fn the_last_layer_is_not_propagated_when_nothing_reads_its_outputs() {
+    let _generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let config = tiny_config();
+    let layers = config.num_layers();
+    let model = SyntheticModel::<CpuBackend>::new(config, 7, &Default::default());
+    let scratch = tempfile::tempdir().unwrap();
+    let samples = random_samples(2, 64, 2048, 7);
+    let options = QuantizeOptions::new(Recipe::Gptq);
+    let report = SyntheticRun {
+        model: &model,
+        options: &options,
+        solver: &CpuSolver,
+        memory: None,
+        fast: None,
+        resident: None,
+        layers,
+        target_tokens: 1_830_000,
+        scratch: scratch.path(),
+    }
+    .run(&samples, &mut NoProgress)
+    .unwrap();
+    let (last, earlier) = report.layers.split_last().unwrap();
+    assert_eq!(earlier.len() + 1, layers);
+    // lm_head stays in 16 bits: the last layer's outputs would be thrown away.
+    assert_eq!(last.stages.propagate, 0.0);
+    for l in earlier {
+        assert!(l.stages.propagate > 0.0, "layer {}", l.layer);
+    }
+    assert_eq!(report.linears.len(), 8 * layers);
+}
