@@ -67,7 +67,7 @@ struct WrittenShard {
     bytes: u64,
 }
 
-/// A shard a [`crate::CheckpointWriter`] has written (and synced) so far, under its
+/// A shard a [`crate::CheckpointWriter`] has written (and synced, once listed) so far, under its
 /// provisional name: part of a resumable run's state ([`crate::WriterState`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FlushedShard {
@@ -196,8 +196,19 @@ impl ShardWriter {
         Ok(writer)
     }
 
-    /// The shards written so far.
+    /// Syncs every shard written so far to disk (cheap for one already written back).
+    fn sync_written(&self) -> Result<(), ExportError> {
+        for shard in &self.written {
+            fs::File::open(&shard.provisional)
+                .and_then(|f| f.sync_all())
+                .map_err(ExportError::io(&shard.provisional))?;
+        }
+        Ok(())
+    }
+
+    /// The shards written so far, synced to disk (a resume manifest counts on them).
     pub(crate) fn flushed(&self) -> Result<Vec<FlushedShard>, ExportError> {
+        self.sync_written()?;
         self.written
             .iter()
             .map(|shard| {
@@ -325,10 +336,10 @@ impl ShardWriter {
                 (Vec::new(), None)
             }
         };
-        // On disk before anything (a resume manifest, the commit) counts on it.
-        fs::File::open(&provisional)
-            .and_then(|f| f.sync_all())
-            .map_err(ExportError::io(&provisional))?;
+        // Not synced here: the kernel writes the pages back while the run goes on, and a
+        // shard is synced before anything counts on it being on disk (`flushed`, for a resume
+        // manifest; the staging directory's commit syncs every file), by then mostly a
+        // formality.
         if let Some(path) = spill_path {
             fs::remove_file(&path).map_err(ExportError::io(&path))?;
         }
