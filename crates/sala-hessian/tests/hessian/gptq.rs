@@ -7,8 +7,8 @@ use proptest::prelude::*;
 use sala_hessian::reference::{gptq_sequential, inverse_upper_textbook};
 use sala_hessian::{
     BlockedLoop, CholeskyInverse, ColumnProblem, ColumnSolution, Damping, DampingAttempt,
-    FailurePolicy, Gptq, GptqColumnLoop, GptqConfig, Hessian, HessianError, IntGrid, IntScheme,
-    Method, QuantizedLinear, Rtn, UnfinishedGptq, UpperFactorizer,
+    FailurePolicy, Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError,
+    IntGrid, IntScheme, Method, QuantizedLinear, Rtn, UnfinishedGptq, UpperFactorizer,
 };
 
 const SCHEMES: [IntScheme; 3] = [
@@ -593,6 +593,30 @@ impl GptqColumnLoop for Recording {
     }
 }
 
+/// A solve through a [`Recording`] loop: its result, and what finishing it again needs.
+fn solved_and_unfinished_parts(
+    gptq: &Gptq,
+    w: &[f32],
+    out: usize,
+    inp: usize,
+    h: &Hessian<f64>,
+) -> (
+    QuantizedLinear,
+    ColumnSolution,
+    GptqPreparation,
+    DampingAttempt,
+) {
+    let recording = Recording::default();
+    let solved = gptq.solve_with_loop(w, out, inp, h, &recording).unwrap();
+    let sol = recording.0.lock().unwrap().take().unwrap();
+    let prepared = gptq.prepare(w, out, inp, &h.diagonal()).unwrap();
+    let attempt = DampingAttempt {
+        retries: solved.damping_retries,
+        percdamp: solved.percdamp,
+    };
+    (solved, sol, prepared, attempt)
+}
+
 #[test]
 fn finishing_later_gives_the_solve_s_result_exactly() {
     let mut rng = rng(21);
@@ -613,14 +637,7 @@ fn finishing_later_gives_the_solve_s_result_exactly() {
     ];
     for cfg in orders {
         let gptq = Gptq::new(cfg).unwrap();
-        let recording = Recording::default();
-        let solved = gptq.solve_with_loop(&w, out, inp, &h, &recording).unwrap();
-        let sol = recording.0.lock().unwrap().take().unwrap();
-        let prepared = gptq.prepare(&w, out, inp, &h.diagonal()).unwrap();
-        let attempt = DampingAttempt {
-            retries: solved.damping_retries,
-            percdamp: solved.percdamp,
-        };
+        let (solved, sol, prepared, attempt) = solved_and_unfinished_parts(&gptq, &w, out, inp, &h);
         let unfinished = gptq.unfinished(out, prepared, sol, attempt, solved.proxy_error);
         assert!(unfinished.needs_finishing());
         // Finished on another thread, as the pipeline does.
@@ -636,14 +653,7 @@ fn finishing_later_gives_the_solve_s_result_exactly() {
     }
     // Without the proxy error the options ask for, finishing is an error, not a guess.
     let gptq = Gptq::new(natural).unwrap();
-    let recording = Recording::default();
-    let solved = gptq.solve_with_loop(&w, out, inp, &h, &recording).unwrap();
-    let sol = recording.0.lock().unwrap().take().unwrap();
-    let prepared = gptq.prepare(&w, out, inp, &h.diagonal()).unwrap();
-    let attempt = DampingAttempt {
-        retries: solved.damping_retries,
-        percdamp: solved.percdamp,
-    };
+    let (_, sol, prepared, attempt) = solved_and_unfinished_parts(&gptq, &w, out, inp, &h);
     let err = gptq
         .unfinished(out, prepared, sol, attempt, None)
         .finish()
