@@ -36,7 +36,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Reads the device allocator's memory (e.g. [`sala_model::cuda_memory`] for the CUDA
+/// Reads the device allocator's memory (e.g. `sala_model::cuda_memory` for the CUDA
 /// backend); `None` when the device cannot say.
 pub type MemoryProbe<B> = fn(&burn::tensor::Device<B>) -> Option<DeviceMemory>;
 

@@ -84,7 +84,7 @@ pub struct Gptq {
 
 /// GPTQ's column loop over a prepared problem: the part of [`Gptq::solve`] that a device can
 /// run ([`Gptq::solve_with_loop`]). Implementations: [`BlockedLoop`] (the host's lazy-block
-/// loop, the default), [`reference::SequentialLoop`] (the textbook order) and the GPU kernels
+/// loop, the default), [`SequentialLoop`](crate::reference::SequentialLoop) (the textbook order) and the GPU kernels
 /// of `sala-kernels`.
 pub trait GptqColumnLoop {
     /// Quantizes every column of `w` `[out, inp]` (row-major f32, loop order: dead columns

@@ -2,7 +2,7 @@
 //! use) and faer's column-major [`Mat`] (what the solvers use), in parallel and in tiles.
 //!
 //! A naive element-by-element conversion of a 16384-wide Hessian (268 M values) makes one
-//! strided access per element and took seconds per call; these walk a tile of [`TILE`]
+//! strided access per element and took seconds per call; these walk a tile of `TILE`
 //! columns (or rows) at a time, so that reads and writes both stay within a few cache lines
 //! per row, with the tiles spread over rayon's threads.
 

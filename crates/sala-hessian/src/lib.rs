@@ -13,7 +13,7 @@
 //! - [`solver`]: the seam a pipeline solves through ([`LinearSolver`]; [`CpuSolver`] runs
 //!   the solvers above, a GPU implementation plugs in);
 //! - [`layout`]: square matrices between row-major buffers and faer, tiled and parallel;
-//! - [`reference`]: textbook versions that the optimised paths (and GPU kernels) are tested
+//! - [`reference`](mod@reference): textbook versions that the optimised paths (and GPU kernels) are tested
 //!   against.
 //!
 //! Weights are row-major `[out_features, in_features]` f32 slices with explicit shapes;
