@@ -177,12 +177,13 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+        h: sala_gptq::ResidentHessian<'_, sala_gptq::CudaBackend>,
     ) -> Result<sala_gptq::hessian::UnfinishedGptq, sala_gptq::hessian::HessianError> {
-        let h = device_view(h)?;
+        let matrix = device_view(h.tensor)?;
+        let h = resident_hessian(&matrix, h);
         let (unfinished, _) = self
             .0
-            .solve_gptq_resident_unfinished(config, None, weights, out, inp, &h)?;
+            .solve_gptq_resident_unfinished(config, None, weights, out, inp, h)?;
         Ok(unfinished)
     }
 
@@ -193,15 +194,16 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+        h: sala_gptq::ResidentHessian<'_, sala_gptq::CudaBackend>,
     ) -> Result<sala_gptq::WithBaseline, sala_gptq::hessian::HessianError> {
+        let matrix = device_view(h.tensor)?;
         let (quantized, baseline) = self.0.solve_gptq_resident_unfinished(
             config,
             Some(baseline),
             weights,
             out,
             inp,
-            &device_view(h)?,
+            resident_hessian(&matrix, h),
         )?;
         Ok(sala_gptq::WithBaseline {
             quantized,
@@ -224,6 +226,19 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
 
     fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
         self.0.take_step_seconds()
+    }
+}
+
+/// The kernel solver's view of a device Hessian: `matrix`, the window on `h`'s buffer, with
+/// `h`'s promise about the next solve.
+#[cfg(feature = "cuda")]
+fn resident_hessian<'a>(
+    matrix: &'a sala_kernels::MatrixView,
+    h: sala_gptq::ResidentHessian<'_, sala_gptq::CudaBackend>,
+) -> sala_kernels::ResidentHessian<'a> {
+    sala_kernels::ResidentHessian {
+        matrix,
+        read_next: h.read_next,
     }
 }
 

@@ -63,7 +63,7 @@ pub use gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GlaTiling};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
-pub use solver::{DeviceFactorizer, DeviceSolver, RtnBaseline, Transfer};
+pub use solver::{DeviceFactorizer, DeviceSolver, ResidentHessian, RtnBaseline, Transfer};
 pub use weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};
 
 /// A fingerprint of this crate's kernel sources (16 hex digits, computed at build time): key

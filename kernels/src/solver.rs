@@ -13,7 +13,7 @@
 //!
 //! [`CpuSolver`]: sala_hessian::CpuSolver
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cubecl::prelude::*;
 use rayon::prelude::*;
@@ -125,6 +125,51 @@ pub struct RtnBaseline {
     pub seconds: f64,
 }
 
+/// A device Hessian for [`DeviceSolver::solve_gptq_resident_unfinished`], and whether the
+/// caller's next solve reads it too.
+#[derive(Debug, Clone, Copy)]
+pub struct ResidentHessian<'a> {
+    /// `[inp, inp]` f32 in the solver's device memory, normalized and smoothed.
+    pub matrix: &'a MatrixView,
+    /// The next GPTQ solve reads this Hessian too (another linear of the same input): the
+    /// solver keeps this solve's damped factor (`inp²` f32 of device memory) for it. That
+    /// solve uses it if its loop order and damping are the same, and frees it either way.
+    pub read_next: bool,
+}
+
+impl<'a> From<&'a MatrixView> for ResidentHessian<'a> {
+    /// A Hessian read by this solve alone.
+    fn from(matrix: &'a MatrixView) -> Self {
+        Self {
+            matrix,
+            read_next: false,
+        }
+    }
+}
+
+/// GPTQ's damped factor kept from one solve for the next solve of the same Hessian
+/// ([`ResidentHessian::read_next`]), with what it was computed from.
+struct KeptFactor {
+    /// `diag(H)` as the solve downloaded it: a Hessian with another diagonal is another one.
+    diag: Vec<f64>,
+    /// The loop order the factor is permuted to.
+    order: Vec<usize>,
+    /// The damping schedule it was found with.
+    damping: sala_hessian::Damping,
+    /// `U`, upper Cholesky factor of the damped, permuted `H⁻¹`.
+    upper: MatrixView,
+    /// Which damping attempt gave it.
+    attempt: DampingAttempt,
+}
+
+impl KeptFactor {
+    /// Whether this factor is the one a solve of a Hessian with diagonal `diag`, loop order
+    /// `order` and schedule `damping` would compute.
+    fn serves(&self, diag: &[f64], order: &[usize], damping: &sala_hessian::Damping) -> bool {
+        self.diag == diag && self.order == order && self.damping == *damping
+    }
+}
+
 /// A [`LinearSolver`] whose column loop and block search run on `client`'s device, with
 /// `gemm` for GPTQ's trailing updates and the proxy error's product.
 pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
@@ -135,6 +180,9 @@ pub struct DeviceSolver<R: Runtime, G: Gemm<R>> {
     device_factorizer: Option<Arc<dyn DeviceFactorizer<R>>>,
     transfer: Arc<dyn Transfer<R>>,
     steps: StepSeconds,
+    /// The last resident solve's factor, when its caller said the next solve reads the same
+    /// Hessian.
+    kept_factor: Mutex<Option<KeptFactor>>,
 }
 
 impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
@@ -148,6 +196,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             device_factorizer: None,
             transfer: Arc::new(CubeTransfer),
             steps: StepSeconds::default(),
+            kept_factor: Mutex::new(None),
         }
     }
 
@@ -233,7 +282,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         h: &MatrixView,
     ) -> Result<(QuantizedLinear, Option<RtnBaseline>), HessianError> {
         let (unfinished, baseline) =
-            self.solve_gptq_resident_unfinished(config, baseline, weights, out, inp, h)?;
+            self.solve_gptq_resident_unfinished(config, baseline, weights, out, inp, h.into())?;
         let q = self.steps.time("finish (host)", || unfinished.finish())?;
         Ok((q, baseline))
     }
@@ -241,6 +290,11 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
     /// [`solve_gptq_resident_with_baseline`](Self::solve_gptq_resident_with_baseline) up to
     /// the host's finishing, which the caller may run on another thread while this solver
     /// goes on with the next linear: everything on the device is done when it returns.
+    ///
+    /// Linears that read one Hessian (q/k/v, gate/up) share its damped factor when the
+    /// caller says so ([`ResidentHessian::read_next`]): the factor depends on the Hessian,
+    /// the loop order and the damping alone, so the shared one is bit for bit the factor
+    /// the next solve would compute.
     pub fn solve_gptq_resident_unfinished(
         &self,
         config: &GptqConfig,
@@ -248,8 +302,14 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &MatrixView,
+        h: ResidentHessian<'_>,
     ) -> Result<(UnfinishedGptq, Option<RtnBaseline>), HessianError> {
+        // A kept factor serves this solve or none: it is freed here either way.
+        let kept = self.take_kept_factor();
+        let ResidentHessian {
+            matrix: h,
+            read_next,
+        } = h;
         let gptq = Gptq::new(*config)?;
         if (h.rows, h.cols) != (inp, inp) {
             return Err(HessianError::DimensionMismatch {
@@ -297,9 +357,12 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             let q = gptq.solve_with_loop(weights, out, inp, &host, self)?;
             return Ok((UnfinishedGptq::finished(q), baseline));
         }
-        let factor = self.timed("factor", || {
-            self.damped_factor(h, &prepared, &config.damping, &diag)
-        })?;
+        let factor = match kept.filter(|k| k.serves(&diag, &prepared.order, &config.damping)) {
+            Some(kept) => Some((kept.upper, kept.attempt)),
+            None => self.timed("factor", || {
+                self.damped_factor(h, &prepared, &config.damping, &diag)
+            })?,
+        };
         let Some((upper, attempt)) = factor else {
             return match config.on_failure {
                 FailurePolicy::Error => Err(config.damping.exhausted(prepared.mean_diag)),
@@ -330,7 +393,18 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         );
         let clip_weights = prepared.clip_weights_in_loop_order();
         let result = self.run_columns(&w_loop, &upper, &loop_config, clip_weights.as_deref())?;
-        drop((upper, w_loop));
+        drop(w_loop);
+        if read_next {
+            self.keep_factor(KeptFactor {
+                order: prepared.order.clone(),
+                damping: config.damping,
+                upper,
+                attempt,
+                diag,
+            });
+        } else {
+            drop(upper);
+        }
         let proxy = match config.proxy_error {
             true => Some(self.timed("proxy error", || {
                 let d = gptq_weight_error(client, &w_view, &result, &prepared.order)?;
@@ -400,6 +474,20 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             self.proxy_error(h, weights, &q.dequantized, out, inp)
         })?);
         Ok(q)
+    }
+
+    /// The factor kept by the last solve, if any, now no longer kept.
+    fn take_kept_factor(&self) -> Option<KeptFactor> {
+        // A poisoned lock only means a solve panicked while holding it; the slot itself is
+        // always whole.
+        let mut slot = self.kept_factor.lock().unwrap_or_else(|e| e.into_inner());
+        slot.take()
+    }
+
+    /// Keeps `factor` for the next resident solve.
+    fn keep_factor(&self, factor: KeptFactor) {
+        let mut slot = self.kept_factor.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = Some(factor);
     }
 
     /// The damping schedule on the device: the damped permuted copy of `h`, factored, until a

@@ -162,8 +162,9 @@ fn fixed_of(config: &SalaConfig, layer: usize, statistics: Statistics, elem: u64
         .unwrap_or(0);
     let f32 = 4;
     // One f32 Hessian per input group. The solve: the factorisation's three square buffers
-    // and a smoothing rescale of the widest; weights, codes, errors and the proxy's two
-    // buffers of the largest linear.
+    // and a smoothing rescale of the widest (a factor kept for the next reader of the same
+    // Hessian is the one that reader would compute, never a second); weights, codes, errors
+    // and the proxy's two buffers of the largest linear.
     let hessians: u64 = widths.iter().map(|d| d * d * f32).sum();
     let gptq_solve = hessians + 4 * widest * widest * f32 + 5 * largest * f32;
     // The channel sums' row chunks (three f32 copies); the search's weights and codes of the

@@ -14,7 +14,7 @@ use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
 use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
-use crate::resident::ResidentSolver;
+use crate::resident::{ResidentHessian, ResidentSolver};
 use crate::smoothing::{fixed_scales, fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
 use burn::tensor::backend::Backend;
@@ -780,9 +780,15 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
-            for linear in planned {
+            let read_next = next_reads_same_hessian(&planned, &group_of);
+            for (linear, read_next) in planned.into_iter().zip(read_next) {
+                let solve = LinearSolve {
+                    linear: &linear,
+                    group: group_of[linear.name.as_str()],
+                    read_next,
+                };
                 let (report, outcome) =
-                    self.solve_linear(&linear, &group_of, weights, stats, smoothed, &fused_scales)?;
+                    self.solve_linear(solve, weights, stats, smoothed, &fused_scales)?;
                 if let Some(previous) = finishing.take() {
                     solved.push(self.settle(previous, weights)?);
                 }
@@ -818,16 +824,15 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     /// Solves one planned linear, its report so far with it.
     fn solve_linear(
         &mut self,
-        linear: &PlannedLinear,
-        group_of: &BTreeMap<&str, usize>,
+        solve: LinearSolve<'_>,
         weights: &mut LayerWeights,
         stats: &[Option<Finalized<B>>],
         smoothed: &BTreeMap<String, Smoothed>,
         fused_scales: &BTreeMap<String, f32>,
     ) -> Result<(LinearReport, SolveOutcome), PipelineError> {
         let t = Instant::now();
-        let g = group_of[linear.name.as_str()];
-        let input = stats[g].as_ref().ok_or_else(|| {
+        let LinearSolve { linear, group, .. } = solve;
+        let input = stats[group].as_ref().ok_or_else(|| {
             PipelineError::NoSamples(format!("no statistics for {}", linear.name))
         })?;
         let weight_name = format!("{}.weight", linear.name);
@@ -859,7 +864,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             (Treatment::Int { bits, group_size }, h @ Finalized::Full(_))
             | (Treatment::Int { bits, group_size }, h @ Finalized::DeviceFull(_)) => {
                 SolveOutcome::Finishing(self.solve_gptq(
-                    linear,
+                    solve,
                     *bits,
                     *group_size,
                     &w.data,
@@ -950,13 +955,14 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     /// runs beside the next linear's solve.
     fn solve_gptq(
         &self,
-        linear: &PlannedLinear,
+        solve: LinearSolve<'_>,
         bits: u32,
         group_size: usize,
         w: &[f32],
         h: &Finalized<B>,
         report: &mut LinearReport,
     ) -> Result<UnfinishedGptq, PipelineError> {
+        let linear = solve.linear;
         let (out, inp) = (linear.out_features, linear.in_features);
         let opts = &self.options.gptq;
         let config = opts.solver_config(bits, group_size);
@@ -979,12 +985,18 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             Ok(host.get_or_init(|| hessian))
         };
         let resident = match (h, &self.resident) {
-            (Finalized::DeviceFull(device_h), Some(resident)) => Some((resident, device_h)),
+            (Finalized::DeviceFull(tensor), Some(resident)) => Some((
+                resident,
+                ResidentHessian {
+                    tensor,
+                    read_next: solve.read_next,
+                },
+            )),
             _ => None,
         };
         let rtn = |grid: IntGrid| match resident {
             Some((solver, device_h)) => solver
-                .quantize_rtn(grid, w, out, inp, device_h)
+                .quantize_rtn(grid, w, out, inp, device_h.tensor)
                 .map_err(solve_err),
             None => self
                 .solver
@@ -1213,8 +1225,37 @@ fn concat_rows<B: Backend>(parts: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
     }
 }
 
-/// Hands a finished layer to `sink`: the solved linears, then every other tensor (`modified`
-/// names those smoothing changed).
+/// One linear to solve: its plan, the input group whose statistics it reads, and whether the
+/// linear solved after it is GPTQ on the same group's Hessian.
+#[derive(Clone, Copy)]
+struct LinearSolve<'a> {
+    linear: &'a PlannedLinear,
+    group: usize,
+    read_next: bool,
+}
+
+/// For each of `planned` (in solve order), whether it and the next one are both GPTQ on the
+/// same input group's Hessian: the solver may then keep the Hessian's damped factor for the
+/// next one.
+fn next_reads_same_hessian(
+    planned: &[PlannedLinear],
+    group_of: &BTreeMap<&str, usize>,
+) -> Vec<bool> {
+    let gptq_group = |l: &PlannedLinear| match l.treatment {
+        Treatment::Int { .. } => group_of.get(l.name.as_str()).copied(),
+        _ => None,
+    };
+    let groups: Vec<Option<usize>> = planned.iter().map(gptq_group).collect();
+    (0..groups.len())
+        .map(
+            |i| match (groups[i], groups.get(i + 1).copied().flatten()) {
+                (Some(this), Some(next)) => this == next,
+                _ => false,
+            },
+        )
+        .collect()
+}
+
 /// One linear's result from [`Engine::solve_linear`].
 enum SolveOutcome {
     /// Solved, packed, its weight replaced by the dequantized one.

@@ -71,7 +71,7 @@ pub use progress::{NoProgress, Progress, Stage};
 pub use report::{
     LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds, StageTotals,
 };
-pub use resident::{ResidentSolver, WithBaseline};
+pub use resident::{ResidentHessian, ResidentSolver, WithBaseline};
 pub use resume::file_hash;
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};

@@ -8,13 +8,32 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use sala_hessian::{GptqConfig, HessianError, IntGrid, QuantizedLinear, UnfinishedGptq};
 
+/// A device Hessian handed to a [`ResidentSolver`]'s GPTQ solve, and whether the caller's
+/// next GPTQ solve reads it too.
+pub struct ResidentHessian<'a, B: Backend> {
+    /// `[inp, inp]` f32 on the device, normalized and smoothed (its lower triangle is the one
+    /// factored).
+    pub tensor: &'a Tensor<B, 2>,
+    /// The next GPTQ solve reads this Hessian too (another linear of the same input, such as
+    /// q/k/v or gate/up): a solver may keep what it computed of the Hessian alone (GPTQ's
+    /// damped factor, `inp²` f32 of device memory) for that solve, which frees it.
+    pub read_next: bool,
+}
+
+impl<B: Backend> Clone for ResidentHessian<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for ResidentHessian<'_, B> {}
+
 /// GPTQ on a Hessian in the device memory of backend `B`.
 pub trait ResidentSolver<B: Backend> {
     /// A short name for reports (`cuda`, …).
     fn name(&self) -> &str;
 
-    /// GPTQ of `weights` `[out, inp]` (row-major f32, host) with the normalized, smoothed
-    /// Hessian `h` `[inp, inp]` (f32 on the device; its lower triangle is the one factored):
+    /// GPTQ of `weights` `[out, inp]` (row-major f32, host) with the device Hessian `h`:
     /// what `LinearSolver::solve_gptq` returns for the same Hessian on the host, up to f32
     /// summation orders. `h` is left as it is. The device's work is done when it returns;
     /// the host's finishing may be left to the caller ([`UnfinishedGptq::finish`]), who can
@@ -25,7 +44,7 @@ pub trait ResidentSolver<B: Backend> {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &Tensor<B, 2>,
+        h: ResidentHessian<'_, B>,
     ) -> Result<UnfinishedGptq, HessianError>;
 
     /// Round-to-nearest of `weights` on `grid` (the `--rtn` path and the report's baseline)
@@ -50,12 +69,12 @@ pub trait ResidentSolver<B: Backend> {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &Tensor<B, 2>,
+        h: ResidentHessian<'_, B>,
     ) -> Result<WithBaseline, HessianError> {
         let quantized = self.solve_gptq(config, weights, out, inp, h)?;
         let start = std::time::Instant::now();
         let baseline_proxy_error = self
-            .quantize_rtn(baseline, weights, out, inp, h)?
+            .quantize_rtn(baseline, weights, out, inp, h.tensor)?
             .proxy_error;
         Ok(WithBaseline {
             quantized,

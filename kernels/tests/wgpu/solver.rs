@@ -12,7 +12,9 @@ use sala_hessian::{
     LinearSolver, Method, Nvfp4BlockSearch, Nvfp4Gptq, UpperFactorizer,
 };
 use sala_kernels::cubecl::prelude::ComputeClient;
-use sala_kernels::{CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, MatrixView};
+use sala_kernels::{
+    CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, MatrixView, ResidentHessian,
+};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -403,6 +405,100 @@ fn resident_damping_retries_go_through_the_device_factorizer() {
     assert_eq!(rtn.codes, host_rtn.codes);
     let (a, b) = (rtn.proxy_error.unwrap(), host_rtn.proxy_error.unwrap());
     assert!(relative(a, b) < 1e-3, "proxy {a} vs {b}");
+}
+
+/// GPTQ of `weights` on the device Hessian `h`, finished, telling the solver whether the
+/// next solve reads `h` too.
+fn solve_sharing(
+    device: &DeviceSolver<TestRuntime, CubeGemm>,
+    config: &GptqConfig,
+    weights: &[f32],
+    inp: usize,
+    h: &MatrixView,
+    read_next: bool,
+) -> sala_hessian::QuantizedLinear {
+    let h = ResidentHessian {
+        matrix: h,
+        read_next,
+    };
+    let out = weights.len() / inp;
+    let (unfinished, _) = device
+        .solve_gptq_resident_unfinished(config, None, weights, out, inp, h)
+        .unwrap();
+    unfinished.finish().unwrap()
+}
+
+/// Linears that read one Hessian share its damped factor when the caller says the next solve
+/// reads it: one factorization for q/k/v, and each result exactly what a solve alone gives.
+/// A kept factor serves no other Hessian, loop order or damping.
+#[test]
+fn linears_of_one_hessian_share_the_damped_factor() {
+    if client().is_none() {
+        return;
+    }
+    let calls = Arc::new(AtomicUsize::new(0));
+    let device = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
+        calls: calls.clone(),
+        refuse: 0,
+    }));
+    let (out, inp) = (16, 64);
+    let mut rng = Rng::new(28);
+    let (h, other_h) = (hessian(&mut rng, inp), hessian(&mut rng, inp));
+    let (h_device, other_device) = (on_device(&h), on_device(&other_h));
+    let linears: Vec<Vec<f32>> = (0..3)
+        .map(|_| (0..out * inp).map(|_| 0.1 * rng.normal()).collect())
+        .collect();
+    let config = GptqConfig {
+        group_aware_order: true,
+        ..GptqConfig::default()
+    };
+    let alone: Vec<_> = linears
+        .iter()
+        .map(|w| solve_sharing(&device, &config, w, inp, &h_device, false))
+        .collect();
+    assert_eq!(calls.swap(0, Ordering::SeqCst), 3);
+
+    for (i, w) in linears.iter().enumerate() {
+        let shared = solve_sharing(&device, &config, w, inp, &h_device, i + 1 < linears.len());
+        assert_eq!(shared.codes, alone[i].codes, "linear {i}");
+        assert_eq!(shared.dequantized, alone[i].dequantized, "linear {i}");
+        assert_eq!(shared.proxy_error, alone[i].proxy_error, "linear {i}");
+        assert_eq!(shared.percdamp, alone[i].percdamp, "linear {i}");
+    }
+    assert_eq!(
+        calls.swap(0, Ordering::SeqCst),
+        1,
+        "one factor for three linears"
+    );
+
+    // The last solve freed the factor: the next one factors again.
+    solve_sharing(&device, &config, &linears[0], inp, &h_device, false);
+    assert_eq!(calls.swap(0, Ordering::SeqCst), 1);
+
+    // A kept factor does not serve another Hessian, another loop order or another damping.
+    let natural = GptqConfig {
+        group_aware_order: false,
+        ..config
+    };
+    let mut damped = config;
+    damped.damping.percdamp *= 2.0;
+    for (label, next_config, next_h, host_h) in [
+        ("another hessian", config, &other_device, &other_h),
+        ("another order", natural, &h_device, &h),
+        ("another damping", damped, &h_device, &h),
+    ] {
+        solve_sharing(&device, &config, &linears[0], inp, &h_device, true);
+        let next = solve_sharing(&device, &next_config, &linears[1], inp, next_h, false);
+        assert_eq!(calls.swap(0, Ordering::SeqCst), 2, "{label}");
+        let fresh = solve_sharing(&device, &next_config, &linears[1], inp, next_h, false);
+        calls.store(0, Ordering::SeqCst);
+        assert_eq!(next.codes, fresh.codes, "{label}");
+        assert_eq!(next.proxy_error, fresh.proxy_error, "{label}");
+        let host = CpuSolver
+            .solve_gptq(&next_config, &linears[1], out, inp, host_h)
+            .unwrap();
+        assert_eq!(next.percdamp, host.percdamp, "{label}");
+    }
 }
 
 #[test]

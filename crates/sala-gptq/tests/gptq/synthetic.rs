@@ -8,11 +8,11 @@ use sala_gptq::hessian::{
 };
 use sala_gptq::model::SalaConfig;
 use sala_gptq::synthetic::random_samples;
-use sala_gptq::ResidentSolver;
 use sala_gptq::{
     CpuBackend, CpuSolver, HiddenLocation, LinearSolver, NoProgress, QuantizeOptions, Recipe,
     SyntheticModel, SyntheticReport, SyntheticRun,
 };
+use sala_gptq::{ResidentHessian, ResidentSolver};
 use std::cell::RefCell;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -191,6 +191,8 @@ fn device_statistics_match_the_host_accumulators() {
 #[derive(Default)]
 struct DownloadingResident {
     calls: AtomicUsize,
+    /// Each GPTQ solve's `read_next`, in call order.
+    read_next: Mutex<Vec<bool>>,
 }
 
 impl DownloadingResident {
@@ -224,10 +226,11 @@ impl ResidentSolver<CpuBackend> for DownloadingResident {
         weights: &[f32],
         out: usize,
         inp: usize,
-        h: &Tensor<CpuBackend, 2>,
+        h: ResidentHessian<'_, CpuBackend>,
     ) -> Result<UnfinishedGptq, HessianError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        let q = CpuSolver.solve_gptq(config, weights, out, inp, &Self::host(h))?;
+        self.read_next.lock().unwrap().push(h.read_next);
+        let q = CpuSolver.solve_gptq(config, weights, out, inp, &Self::host(h.tensor))?;
         Ok(UnfinishedGptq::finished(q))
     }
 
@@ -254,6 +257,28 @@ fn device_hessians_reach_the_resident_solver() {
     let host_solver = Recording::default();
     let report = run_with(&options, &host_solver, Some(resident.clone()));
     assert_eq!(resident.calls.load(Ordering::SeqCst), report.linears.len());
+    // The solver is told when the next solve reads the same Hessian: q/k/v/z (o_gate) and
+    // gate/up of one layer, one after the other.
+    let input_of = |name: &str| {
+        let (layer, linear) = name.split_once(".self_attn.").map_or_else(
+            || name.split_once(".mlp.").unwrap(),
+            |(layer, linear)| (layer, linear),
+        );
+        let shared = match linear {
+            "q_proj" | "k_proj" | "v_proj" | "z_proj" | "o_gate" => "attention input",
+            "gate_proj" | "up_proj" => "mlp input",
+            own => own,
+        };
+        format!("{layer} {shared}")
+    };
+    let expected: Vec<bool> = (0..report.linears.len())
+        .map(|i| {
+            let next = report.linears.get(i + 1);
+            next.is_some_and(|n| input_of(&n.name) == input_of(&report.linears[i].name))
+        })
+        .collect();
+    assert_eq!(*resident.read_next.lock().unwrap(), expected);
+    assert!(expected.contains(&true) && expected.contains(&false));
     assert!(
         host_solver.gptq.borrow().is_empty(),
         "no Hessian went to the host solver"
