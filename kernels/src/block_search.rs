@@ -33,7 +33,7 @@ use crate::launch::elementwise;
 use crate::solver::Transfer;
 
 /// The E4M3FN NaN code: the scale of a block with a non-finite weight.
-const E4M3_NAN_CODE: u32 = 0x7F;
+pub(crate) const E4M3_NAN_CODE: u32 = 0x7F;
 
 /// The search's output, still on the device.
 #[derive(Clone, Debug)]
@@ -130,44 +130,85 @@ pub fn nvfp4_block_search<R: Runtime>(
         return Err(HessianError::Empty { what: "weights" }.into());
     }
     let h = search.channel_weights(cols, diag_h, global_scale)?;
-    let blocks = rows * cols / NVFP4_BLOCK;
-    let shrink: Vec<f32> = (0..search.iters).map(|i| search.shrink(i)).collect();
-    let result = DeviceBlockSearch {
-        rows,
-        cols,
-        global_scale,
-        block_scales: DeviceVec::zeros(client, blocks)?,
-        block_error: DeviceVec::zeros(client, blocks)?,
-        codes: DeviceVec::zeros(client, rows * cols)?,
-    };
     let h = DeviceVec::upload(client, &h);
-    let shrink = DeviceVec::upload(client, &shrink);
-    let (count, dim) = elementwise(client, blocks)?;
-    block_search_kernel::launch::<R>(
-        client,
-        count,
-        dim,
-        array_arg(&weights.handle),
-        array_arg(&h.handle),
-        array_arg(&shrink.handle),
-        array_arg(&result.block_scales.handle),
-        array_arg(&result.block_error.handle),
-        array_arg(&result.codes.handle),
-        BlockSearchArgsLaunch::new(
-            weights.offset,
-            weights.row_stride,
-            cols / NVFP4_BLOCK,
-            blocks,
-            search.iters,
-            E2M1_MAX * global_scale,
-            global_scale,
-            search.error_norm,
-            1.0,
-            f32::INFINITY,
-        ),
-    );
+    let launch = SearchLaunch::new(client, search, global_scale);
+    let result = launch.search(client, weights, &h, 0)?;
     flush(client, "nvfp4 block search")?;
     Ok(result)
+}
+
+/// The search's constants on the device, for searches of many windows (GPTQ on the NVFP4
+/// grid searches each 16-column block when its loop reaches it).
+pub(crate) struct SearchLaunch {
+    /// The candidates' shrink factors, computed on the host with the reference's expression.
+    shrink: DeviceVec<f32>,
+    iters: usize,
+    error_norm: f32,
+    global_scale: f32,
+}
+
+impl SearchLaunch {
+    /// The constants of `search` under `global_scale` (validated by the caller).
+    pub(crate) fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        search: &Nvfp4BlockSearch,
+        global_scale: f32,
+    ) -> Self {
+        let shrink: Vec<f32> = (0..search.iters).map(|i| search.shrink(i)).collect();
+        Self {
+            shrink: DeviceVec::upload(client, &shrink),
+            iters: search.iters,
+            error_norm: search.error_norm,
+            global_scale,
+        }
+    }
+
+    /// Queues the search of every block of the window `weights` (`cols` a multiple of 16),
+    /// column `j` of the window weighted by `channel_weights[h_offset + j]` (normalized).
+    pub(crate) fn search<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        weights: &MatrixView,
+        channel_weights: &DeviceVec<f32>,
+        h_offset: usize,
+    ) -> Result<DeviceBlockSearch, KernelError> {
+        let (rows, cols) = (weights.rows, weights.cols);
+        let blocks = rows * cols / NVFP4_BLOCK;
+        let result = DeviceBlockSearch {
+            rows,
+            cols,
+            global_scale: self.global_scale,
+            block_scales: DeviceVec::zeros(client, blocks)?,
+            block_error: DeviceVec::zeros(client, blocks)?,
+            codes: DeviceVec::zeros(client, rows * cols)?,
+        };
+        let (count, dim) = elementwise(client, blocks)?;
+        block_search_kernel::launch::<R>(
+            client,
+            count,
+            dim,
+            array_arg(&weights.handle),
+            array_arg(&channel_weights.handle),
+            array_arg(&self.shrink.handle),
+            array_arg(&result.block_scales.handle),
+            array_arg(&result.block_error.handle),
+            array_arg(&result.codes.handle),
+            BlockSearchArgsLaunch::new(
+                weights.offset,
+                weights.row_stride,
+                h_offset,
+                cols / NVFP4_BLOCK,
+                blocks,
+                self.iters,
+                E2M1_MAX * self.global_scale,
+                self.global_scale,
+                self.error_norm,
+                1.0,
+                f32::INFINITY,
+            ),
+        );
+        Ok(result)
+    }
 }
 
 /// The scalars of the search kernel.
@@ -176,6 +217,8 @@ struct BlockSearchArgs {
     /// Window of the weight in its buffer.
     w_offset: usize,
     w_stride: usize,
+    /// The channel weight of the window's column 0.
+    h_offset: usize,
     /// Blocks per row and in total.
     blocks_per_row: usize,
     blocks: usize,
@@ -217,7 +260,7 @@ fn block_search_kernel(
         for j in 0..16usize {
             let v = w[base + j];
             values[j] = v;
-            channel[j] = h[col0 + j];
+            channel[j] = h[args.h_offset + col0 + j];
             if v.is_nan() || v.is_inf() {
                 finite = false;
             }
@@ -295,7 +338,7 @@ fn e4m3_encode(s: f32) -> u32 {
 
 /// The value of a positive E4M3 code (`1..=0x7E`).
 #[cube]
-fn e4m3_decode(code: u32) -> f32 {
+pub(crate) fn e4m3_decode(code: u32) -> f32 {
     let mut value = f32::cast_from(code) * (1.0 / 512.0);
     if code >= 8 {
         value = f32::reinterpret((code + bits::CODE_BIAS) << 20);
@@ -307,7 +350,7 @@ fn e4m3_decode(code: u32) -> f32 {
 /// (`>` sends a tie down, `>=` up, toward the even mantissa); the sign bit is `x < 0`
 /// (ModelOpt: `-0.0` → `+0`).
 #[cube]
-fn e2m1_round(x: f32) -> (u32, f32) {
+pub(crate) fn e2m1_round(x: f32) -> (u32, f32) {
     let a = x.abs();
     let mut index = 0u32;
     let mut magnitude = 0.0f32;

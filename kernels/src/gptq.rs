@@ -242,7 +242,7 @@ pub fn gptq_solve<R: Runtime, G: Gemm<R>>(
 const STRIPES: usize = 8;
 
 /// `column_loss[j] = ½ Σ_r E[r, j]²` for the scaled errors `e [out, inp]`.
-fn launch_column_loss<R: Runtime>(
+pub(crate) fn launch_column_loss<R: Runtime>(
     client: &ComputeClient<R>,
     e: &MatrixView,
     column_loss: &DeviceVec<f32>,

@@ -14,6 +14,8 @@
 //!   finiteness, the damped permuted copy, the proxy error's row dots);
 //! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
 //! - [`block_search`]: the NVFP4 block-scale search ([`nvfp4_block_search`]);
+//! - [`nvfp4_gptq`]: GPTQ's column loop on the NVFP4 grid, each block's scale searched when
+//!   the loop reaches it ([`nvfp4_gptq_solve`]);
 //! - [`weight_error`]: a weight uploaded once in GPTQ's loop order ([`gather_columns`]) and
 //!   the weight error `W − Q` of GPTQ and of round-to-nearest where `W` is
 //!   ([`gptq_weight_error`], [`rtn_weight_error`]), for the proxy error on the device;
@@ -49,6 +51,7 @@ pub mod gptq;
 pub mod hessian;
 pub mod hessian_ops;
 mod launch;
+pub mod nvfp4_gptq;
 pub mod softmax;
 pub mod solver;
 pub mod weight_error;
@@ -62,6 +65,7 @@ pub use gemm::{CubeGemm, Gemm};
 pub use gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GlaTiling};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
 pub use hessian::accumulate_xtx;
+pub use nvfp4_gptq::{nvfp4_gptq_solve, DeviceNvfp4Gptq};
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
 pub use solver::{DeviceFactorizer, DeviceSolver, ResidentHessian, RtnBaseline, Transfer};
 pub use weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};

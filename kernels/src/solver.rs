@@ -1,6 +1,7 @@
 //! [`DeviceSolver`]: `sala-hessian`'s [`LinearSolver`] with GPTQ's column loop
-//! ([`gptq_solve`]) and the NVFP4 block search ([`nvfp4_block_search`]) on a CubeCL device,
-//! and GPTQ on a Hessian that never leaves the device ([`DeviceSolver::solve_gptq_resident`]).
+//! ([`gptq_solve`]), the NVFP4 block search ([`nvfp4_block_search`]) and GPTQ on the NVFP4
+//! grid ([`nvfp4_gptq_solve`], with its proxy error) on a CubeCL device, and GPTQ on a Hessian
+//! that never leaves the device ([`DeviceSolver::solve_gptq_resident`]).
 //!
 //! With a host Hessian, GPTQ's preparation (checks, dead columns, act-order, the damped
 //! inverse with its retries, static groups) and finishing (un-permuting, dequantization, proxy
@@ -23,9 +24,9 @@ use sala_hessian::layout::square_to_row_major;
 use sala_hessian::IntGrid;
 use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
-    Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, LinearSolver,
-    Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult, Nvfp4SearchResult, QuantizedLinear, Rtn,
-    StepSeconds, UnfinishedGptq, UpperFactorizer,
+    Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, HessianScalar,
+    LinearSolver, Nvfp4BlockSearch, Nvfp4ColumnLoop, Nvfp4Columns, Nvfp4Gptq, Nvfp4GptqResult,
+    Nvfp4SearchResult, QuantizedLinear, Rtn, StepSeconds, UnfinishedGptq, UpperFactorizer,
 };
 
 use crate::block_search::nvfp4_block_search;
@@ -34,6 +35,7 @@ use crate::error::KernelError;
 use crate::gemm::Gemm;
 use crate::gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult, MAX_BLOCK};
 use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
+use crate::nvfp4_gptq::nvfp4_gptq_solve;
 use crate::weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};
 
 /// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
@@ -675,8 +677,8 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         })
     }
 
-    /// The host's column loop (no FP4 device loop yet), with the damped Hessian factored by
-    /// this solver's factorizer (cuSOLVER on CUDA) where it has one.
+    /// The column loop and the proxy error on the device ([`nvfp4_gptq_solve`]), the damped
+    /// Hessian factored by this solver's factorizer (cuSOLVER on CUDA) where it has one.
     fn solve_nvfp4_gptq(
         &self,
         solver: &Nvfp4Gptq,
@@ -686,8 +688,58 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         h: &Hessian<f64>,
         global_scale: f32,
     ) -> Result<Nvfp4GptqResult, HessianError> {
-        let factorizer = self.factorizer.as_deref();
-        solver.solve_using(weights, rows, cols, h, global_scale, factorizer)
+        solver.solve_with_loop(weights, rows, cols, h, global_scale, self)
+    }
+}
+
+impl<R: Runtime, G: Gemm<R>> Nvfp4ColumnLoop for DeviceSolver<R, G> {
+    fn run(
+        &self,
+        columns: &Nvfp4Columns<'_>,
+        block: usize,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution<u8>, HessianError> {
+        let (rows, cols) = (columns.rows, columns.cols);
+        let (w_view, u_view) = self.timed("upload weights", || {
+            let w_view = self.upload(w, rows, cols)?;
+            let u_view = self.upload(&square_to_row_major(columns.upper), cols, cols)?;
+            Ok((w_view, u_view))
+        })?;
+        let found = self.timed("column loop", || {
+            Ok(nvfp4_gptq_solve(
+                &self.client,
+                &self.gemm,
+                &w_view,
+                &u_view,
+                columns.channel_weights,
+                columns.global_scale,
+                columns.search,
+                block,
+            )?)
+        })?;
+        self.timed("download codes", || {
+            Ok(found.download_with(&self.client, self.transfer.as_ref())?)
+        })
+    }
+
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        self.factorizer.as_deref()
+    }
+
+    /// On the device: `H` uploaded in f32, `D = W − Q` from the host.
+    fn proxy_error<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        cols: usize,
+        h: &Hessian<T>,
+    ) -> Result<f64, HessianError> {
+        self.timed("proxy error", || {
+            let values: Vec<f32> = h.to_row_major().into_iter().map(T::to_f32).collect();
+            let h = self.upload(&values, cols, cols)?;
+            let rows = weights.len() / cols.max(1);
+            self.proxy_error(&h, weights, dequantized, rows, cols)
+        })
     }
 }
 

@@ -14,7 +14,9 @@ use sala_formats::NVFP4_BLOCK;
 
 use crate::block_search::Nvfp4BlockSearch;
 use crate::error::HessianError;
-use crate::gptq::{blocked_loop, effective_block, ColumnGrid, FailurePolicy, OUTER_BLOCKS};
+use crate::gptq::{
+    blocked_loop, effective_block, ColumnGrid, ColumnSolution, FailurePolicy, OUTER_BLOCKS,
+};
 use crate::hessian::Hessian;
 use crate::inverse::{diagonal_f64, CholeskyInverse, Damping, UpperFactorizer};
 use crate::quantized::{check_weights, proxy_error, Method};
@@ -95,11 +97,28 @@ impl Nvfp4Gptq {
         global_scale: f32,
         factorizer: Option<&dyn UpperFactorizer>,
     ) -> Result<Nvfp4GptqResult, HessianError> {
+        let host = HostNvfp4Loop { factorizer };
+        self.solve_with_loop(weights, rows, cols, h, global_scale, &host)
+    }
+
+    /// [`Nvfp4Gptq::solve`] with the factorization, the column loop and the proxy error of
+    /// `column_loop` (a device's); checks, dead columns, the damping schedule, the fallback
+    /// and dequantization stay here.
+    pub fn solve_with_loop<T: HessianScalar, L: Nvfp4ColumnLoop>(
+        &self,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &Hessian<T>,
+        global_scale: f32,
+        column_loop: &L,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
         self.validate()?;
         check_weights(weights, rows, cols, Some(h.dim()))?;
         let diag = hessian_diagonal(h);
         let channel_weights = self.search.channel_weights(cols, &diag, global_scale)?;
         let natural: Vec<usize> = (0..cols).collect();
+        let factorizer = column_loop.factorizer();
         let inverse =
             match CholeskyInverse::with_order_using(h, &natural, &self.damping, factorizer) {
                 Ok(inverse) => inverse,
@@ -126,13 +145,13 @@ impl Nvfp4Gptq {
             self.block_size
         };
         let block = effective_block(configured, NVFP4_BLOCK, cols, false);
-        let sol = blocked_loop(&grid, &mut w, block, block * OUTER_BLOCKS);
+        let sol = column_loop.run(&grid, block, &mut w)?;
         let dequantized = dequantize(&sol.codes, &sol.params_rows, global_scale);
         Ok(Nvfp4GptqResult {
             rows,
             cols,
             global_scale,
-            proxy_error: proxy_error(weights, &dequantized, cols, h),
+            proxy_error: column_loop.proxy_error(weights, &dequantized, cols, h)?,
             block_scales: sol.params_rows,
             codes: sol.codes,
             dequantized,
@@ -170,16 +189,76 @@ impl Nvfp4Gptq {
     }
 }
 
+/// Where [`Nvfp4Gptq`]'s factorization, column loop and proxy error run: the host
+/// ([`Nvfp4Gptq::solve_using`]) or a device.
+pub trait Nvfp4ColumnLoop {
+    /// Quantizes every column of `w` `[rows, cols]` (row-major f32, natural order, dead
+    /// columns zeroed; a workspace the loop may overwrite) in lazy blocks of `block` columns
+    /// (a multiple of 16): each 16-column block's scale searched on its error-updated
+    /// weights when the loop reaches it, each weight rounded to E2M1 on it, its scaled error
+    /// spread over the later columns. Parameters are one E4M3 byte per row and block.
+    fn run(
+        &self,
+        columns: &Nvfp4Columns<'_>,
+        block: usize,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution<u8>, HessianError>;
+
+    /// Who factors the damped Hessian: `None` (the default) is faer on the host.
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        None
+    }
+
+    /// `tr((W − Q) H (W − Q)ᵀ)` of the original `weights` and the `dequantized` ones
+    /// (row-major, `cols` columns) under `h`: on the host by default.
+    fn proxy_error<T: HessianScalar>(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        cols: usize,
+        h: &Hessian<T>,
+    ) -> Result<f64, HessianError> {
+        Ok(proxy_error(weights, dequantized, cols, h))
+    }
+}
+
+/// The host's loop: [`Nvfp4Columns`] through the integer GPTQ's lazy-block loop (faer GEMMs,
+/// rows in parallel), the damped Hessian factored by `factorizer` (faer when `None`).
+struct HostNvfp4Loop<'a> {
+    factorizer: Option<&'a dyn UpperFactorizer>,
+}
+
+impl Nvfp4ColumnLoop for HostNvfp4Loop<'_> {
+    fn run(
+        &self,
+        columns: &Nvfp4Columns<'_>,
+        block: usize,
+        w: &mut [f32],
+    ) -> Result<ColumnSolution<u8>, HessianError> {
+        Ok(blocked_loop(columns, w, block, block * OUTER_BLOCKS))
+    }
+
+    fn factorizer(&self) -> Option<&dyn UpperFactorizer> {
+        self.factorizer
+    }
+}
+
 /// The NVFP4 grid as GPTQ's column loop sees it: one E4M3 byte per row and block, searched at
 /// the block's first column.
-pub(crate) struct Nvfp4Columns<'a> {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) upper: MatRef<'a, f32>,
-    pub(crate) search: &'a Nvfp4BlockSearch,
-    /// `diag(H)/max diag(H)`, `[cols]`.
-    pub(crate) channel_weights: &'a [f32],
-    pub(crate) global_scale: f32,
+pub struct Nvfp4Columns<'a> {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns (a multiple of 16).
+    pub cols: usize,
+    /// `U`, the upper Cholesky factor of the damped inverse Hessian, `[cols, cols]`.
+    pub upper: MatRef<'a, f32>,
+    /// How each block's scale is chosen.
+    pub search: &'a Nvfp4BlockSearch,
+    /// The search's weight of each column's error, `diag(H)/max diag(H)`, `[cols]`
+    /// ([`Nvfp4BlockSearch::channel_weights`]).
+    pub channel_weights: &'a [f32],
+    /// The tensor's (or fused group's) `weight_scale_2`.
+    pub global_scale: f32,
 }
 
 impl ColumnGrid for Nvfp4Columns<'_> {

@@ -18,16 +18,18 @@
 //!   `--crop-rows` rows compared with `sala_hessian::Gptq` (`gptq_cpu_crop`);
 //! - `nvfp4_search` (120 candidates, shrink 0.6, p = 2, weighted by diag H), total weighted
 //!   error; the first rows compared byte for byte with
-//!   `sala_hessian::reference::nvfp4_block_search_naive` (`nvfp4_cpu_crop`).
+//!   `sala_hessian::reference::nvfp4_block_search_naive` (`nvfp4_cpu_crop`);
+//! - `nvfp4_gptq`: GPTQ on the NVFP4 grid given the cuSOLVER factor (`nvfp4_gptq_solve`, lazy
+//!   block 128), total loss.
 //!
 //! Every stage is timed with warm-up and device synchronization (median of `--reps`); a stage
 //! that fails prints its error and the others still run. `--data` writes the inputs for
 //! `bench/torch_gptq.py` (safetensors + manifest.json), `--json` the results for
 //! `bench/compare.py`. `--cpu-only` runs the CPU stages alone (no GPU needed: to test the
 //! inputs and files on a small `--shapes`). `--skip` takes stage names: selftest, hessian,
-//! inverse, inverse_cpu, gptq_cublas, gptq_cubecl, gptq_cpu, nvfp4, nvfp4_cpu. The self-tests
-//! (first) check both GEMMs on strided windows in every transpose combination, the bf16 XᵀX
-//! and the cuSOLVER factor on small problems against f64 references.
+//! inverse, inverse_cpu, gptq_cublas, gptq_cubecl, gptq_cpu, nvfp4, nvfp4_cpu, nvfp4_gptq.
+//! The self-tests (first) check both GEMMs on strided windows in every transpose combination,
+//! the bf16 XᵀX and the cuSOLVER factor on small problems against f64 references.
 
 mod data;
 mod report;
@@ -36,8 +38,8 @@ mod stages;
 
 const USAGE: &str = "usage: bench_gpu [--data DIR] [--json FILE] [--shapes OUTxIN,...] \
 [--tokens N] [--reps N] [--warmup N] [--cpu-reps N] [--crop-rows N] [--seed N] [--tf32] \
-[--skip selftest,hessian,inverse,inverse_cpu,gptq_cublas,gptq_cubecl,gptq_cpu,nvfp4,nvfp4_cpu] \
-[--cpu-only]";
+[--skip selftest,hessian,inverse,inverse_cpu,gptq_cublas,gptq_cubecl,gptq_cpu,nvfp4,nvfp4_cpu,\
+nvfp4_gptq] [--cpu-only]";
 
 use std::collections::HashSet;
 use std::path::PathBuf;

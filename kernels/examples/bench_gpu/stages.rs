@@ -15,8 +15,8 @@ use sala_kernels::cuda::{
     Bf16Matrix, Cublas, CublasGemm, Cusolver, Fp32Math, LibraryStatus,
 };
 use sala_kernels::{
-    accumulate_xtx, gptq_solve, nvfp4_block_search, CubeGemm, DeviceGptqConfig, DeviceGptqResult,
-    MatrixView,
+    accumulate_xtx, gptq_solve, nvfp4_block_search, nvfp4_gptq_solve, CubeGemm, DeviceGptqConfig,
+    DeviceGptqResult, MatrixView,
 };
 
 use crate::data::{self, Tensor, TensorData};
@@ -269,6 +269,7 @@ impl<'a> Bench<'a> {
         let u_gpu = inverse_stages(args, gpu, h, inp, &mut rows);
         gptq_stages(args, gpu, &w, h, u_gpu.as_ref(), out, inp, &mut rows);
         nvfp4_stages(args, gpu, &w, h, global_scale, out, inp, &mut rows);
+        nvfp4_gptq_stage(args, gpu, &w, h, u_gpu.as_ref(), global_scale, &mut rows);
         rows
     }
 }
@@ -766,5 +767,63 @@ fn nvfp4_stages(
                 .extra("cpu_codes_equal", Json::Bool(same_codes));
         }
         Ok(row)
+    }));
+}
+
+/// GPTQ on the NVFP4 grid given the cuSOLVER factor (`nvfp4_gptq`): the column loop with each
+/// 16-column block's scale searched when the loop reaches it, cuBLAS (pedantic f32) for the
+/// trailing updates, lazy blocks of 128; loss `Σ(w−q)²/(2·U_cc²)`, TFLOP/s of its GEMMs.
+fn nvfp4_gptq_stage(
+    args: &Args,
+    gpu: Option<&Gpu>,
+    w: &[f32],
+    h: &[f32],
+    u: Option<&MatrixView>,
+    global_scale: f32,
+    rows: &mut Vec<Row>,
+) {
+    let (Some(gpu), true) = (gpu, args.runs("nvfp4_gptq")) else {
+        return;
+    };
+    rows.push(stage("nvfp4_gptq", || {
+        let u = u.ok_or("no GPU inverse factor (inverse_cusolver failed or skipped)")?;
+        let inp = u.rows;
+        let out = w.len() / inp;
+        let search = Nvfp4BlockSearch::default();
+        let diag: Vec<f32> = (0..inp).map(|k| h[k * inp + k].max(0.0)).collect();
+        let channel_weights = search
+            .channel_weights(inp, &diag, global_scale)
+            .map_err(msg)?;
+        let gemm = CublasGemm::new(gpu.blas()?.clone(), Fp32Math::Pedantic);
+        let (t, result) = time_it(
+            args.warmup,
+            args.reps,
+            &|| gpu.sync(),
+            || gpu.upload(w, out, inp),
+            |wd| {
+                let r = nvfp4_gptq_solve(
+                    &gpu.client,
+                    &gemm,
+                    &wd,
+                    u,
+                    &channel_weights,
+                    global_scale,
+                    &search,
+                    BLOCK,
+                )
+                .map_err(msg)?;
+                gpu.sync()?;
+                Ok(r)
+            },
+        )?;
+        let loss: f64 = result
+            .column_loss
+            .download(&gpu.client)
+            .map_err(msg)?
+            .iter()
+            .map(|&l| l as f64)
+            .sum();
+        let flops = out as f64 * (inp * inp) as f64;
+        Ok(Row::timed("nvfp4_gptq", &t).flops(flops).loss(loss))
     }));
 }

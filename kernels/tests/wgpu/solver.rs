@@ -177,8 +177,8 @@ fn nvfp4_gptq_factors_through_the_given_factorizer_and_matches_the_host() {
     if client().is_none() {
         return;
     }
-    // The column loop runs on the host; the factor comes from the solver's factorizer
-    // (cuSOLVER on CUDA, the counting textbook inverse here).
+    // The factor comes from the solver's factorizer (cuSOLVER on CUDA, the counting textbook
+    // inverse here), the column loop runs on the device.
     let calls = Arc::new(AtomicUsize::new(0));
     let device = solver().with_factorizer(Box::new(CountingFactorizer(calls.clone())));
     let (rows, cols) = (12, 64);
@@ -203,6 +203,78 @@ fn nvfp4_gptq_factors_through_the_given_factorizer_and_matches_the_host() {
         gpu.proxy_error,
         cpu.proxy_error
     );
+}
+
+/// GPTQ on the NVFP4 grid with its column loop and proxy error on the device, against the
+/// host loop on the same factor (faer's, on the host for both): lazy blocks of one, two and
+/// eight 16-column blocks, a last lazy block cut short, a dead column.
+#[test]
+fn device_nvfp4_gptq_matches_the_host_loop() {
+    if client().is_none() {
+        return;
+    }
+    let device = solver();
+    let mut rng = Rng::new(30);
+    for (rows, cols, block_size) in [(16, 48, 16), (40, 320, 32), (40, 320, 128)] {
+        let h = hessian(&mut rng, cols);
+        let weights: Vec<f32> = (0..rows * cols).map(|_| 0.1 * rng.normal()).collect();
+        let amax = weights.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let global = global_scale_from_amax(amax).unwrap();
+        let solver = Nvfp4Gptq {
+            block_size,
+            ..Nvfp4Gptq::default()
+        };
+        let label = format!("{rows}×{cols}, block {block_size}");
+        let cpu = CpuSolver
+            .solve_nvfp4_gptq(&solver, &weights, rows, cols, &h, global)
+            .unwrap();
+        let gpu = device
+            .solve_nvfp4_gptq(&solver, &weights, rows, cols, &h, global)
+            .unwrap();
+        let steps = device.take_step_seconds();
+        assert!(
+            steps.iter().any(|(step, _)| *step == "column loop"),
+            "{label}: the loop ran on the device ({steps:?})"
+        );
+        assert_eq!(gpu.method, Method::Gptq, "{label}");
+        assert_eq!(gpu.global_scale, cpu.global_scale, "{label}");
+        // Summation orders differ: a code at a rounding boundary, or a scale at a tie of the
+        // search, may flip, and its row then takes another path.
+        let differing = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+        let codes = differing(&gpu.codes, &cpu.codes);
+        let scales = differing(&gpu.block_scales, &cpu.block_scales);
+        assert!(
+            codes * 50 <= gpu.codes.len(),
+            "{label}: {codes} codes differ"
+        );
+        assert!(
+            scales * 50 <= gpu.block_scales.len(),
+            "{label}: {scales} scales differ"
+        );
+        // The dead column (3) is zero in every row.
+        assert!(
+            (0..rows).all(|r| gpu.dequantized[r * cols + 3] == 0.0),
+            "{label}"
+        );
+        assert!(
+            relative(gpu.loss, cpu.loss) < 1e-2,
+            "{label}: loss {} vs {}",
+            gpu.loss,
+            cpu.loss
+        );
+        assert!(
+            relative(gpu.proxy_error, cpu.proxy_error) < 1e-2,
+            "{label}: proxy {} vs {}",
+            gpu.proxy_error,
+            cpu.proxy_error
+        );
+        let host_proxy = sala_hessian::proxy_error(&weights, &gpu.dequantized, cols, &h);
+        assert!(
+            relative(gpu.proxy_error, host_proxy) < 1e-4,
+            "{label}: device proxy {} vs host {host_proxy}",
+            gpu.proxy_error
+        );
+    }
 }
 
 #[test]

@@ -1,0 +1,267 @@
+//! GPTQ on the NVFP4 grid on the device: `sala_hessian::Nvfp4Gptq`'s column loop, with each
+//! 16-column block's E4M3 scale searched on the error-updated weights when the loop reaches
+//! it ([`crate::block_search`]'s kernel on the block's window), each weight rounded to E2M1 on
+//! that scale, and its scaled error spread over the later columns.
+//!
+//! The inputs are the host's prepared problem: `W [rows, cols]` in natural column order
+//! (an NVFP4 block is 16 consecutive stored columns) with dead columns zeroed, and `U
+//! [cols, cols]`, the upper Cholesky factor of the damped `H⁻¹`. For each lazy block
+//! `[b0, b1)` (a multiple of 16 columns), and each 16-column block `[c0, c0 + 16)` in it:
+//!
+//! 1. the search kernel chooses every row's scale for the block on its current values;
+//! 2. the block kernel, one unit per row, quantizes the block's 16 columns in order
+//!    (`e = (w − q)/U[c,c]`, `w[j] −= e·U[c,j]` for the block's later columns), writes the
+//!    codes, the scale byte and `E`, and subtracts the block's errors from the rest of the
+//!    lazy block, `W[:, c0+16:b1] −= E_block · U[c0:c0+16, c0+16:b1]`;
+//!
+//! then `W[:, b1:] −= E · U[b0:b1, b1:]` through the caller's [`Gemm`].
+//!
+//! The differences from the host loop are f32 summation orders (the host's lazy blocks are
+//! the same, its outer blocks are not), which flip a rare code at a rounding boundary or a
+//! rare scale at a tie of the search.
+
+use cubecl::prelude::*;
+use sala_formats::NVFP4_BLOCK;
+use sala_hessian::{ColumnSolution, HessianError, Nvfp4BlockSearch};
+
+use crate::block_search::{e2m1_round, e4m3_decode, SearchLaunch, E4M3_NAN_CODE};
+use crate::device::{array_arg, to_bytes, DeviceVec, MatrixView};
+use crate::error::{flush, KernelError};
+use crate::gemm::Gemm;
+use crate::gptq::launch_column_loss;
+use crate::launch::elementwise;
+use crate::solver::Transfer;
+
+/// [`nvfp4_gptq_solve`]'s output, on the device.
+#[derive(Clone, Debug)]
+pub struct DeviceNvfp4Gptq {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns (a multiple of 16).
+    pub cols: usize,
+    /// E4M3 block-scale bytes as `u32`, `[rows, cols/16]`.
+    pub block_scales: DeviceVec<u32>,
+    /// E2M1 codes (low 4 bits) as `u32`, `[rows, cols]`.
+    pub codes: DeviceVec<u32>,
+    /// `Σ_r (w − q)²/(2·U[c,c]²)` of each column (f32 sums of `e²/2`), `[cols]`.
+    pub column_loss: DeviceVec<f32>,
+}
+
+impl DeviceNvfp4Gptq {
+    /// The codes, scale bytes and column losses on the host through `transfer`'s copies.
+    ///
+    /// Errors: a read failure, or [`HessianError::NonFinite`] for a block whose weights were
+    /// not finite when its scale was searched (reported at the block's first column).
+    pub fn download_with<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        transfer: &dyn Transfer<R>,
+    ) -> Result<ColumnSolution<u8>, KernelError> {
+        let blocks = self.cols / NVFP4_BLOCK;
+        let scales = to_bytes(transfer.download_u32(client, &self.block_scales)?);
+        if let Some(b) = scales.iter().position(|&s| u32::from(s) == E4M3_NAN_CODE) {
+            return Err(HessianError::NonFinite {
+                what: "weights",
+                row: b / blocks,
+                col: (b % blocks) * NVFP4_BLOCK,
+                value: f64::NAN,
+            }
+            .into());
+        }
+        let codes = self.codes.download_low_bytes_with(client, transfer)?;
+        let column_loss = transfer.download_f32(client, &self.column_loss)?;
+        Ok(ColumnSolution {
+            codes,
+            params_rows: scales,
+            column_loss: column_loss.into_iter().map(f64::from).collect(),
+        })
+    }
+}
+
+/// GPTQ of the prepared `w [rows, cols]` (natural order, dead columns zeroed; overwritten
+/// with error-updated values) against `u [cols, cols]` on the NVFP4 grid, in lazy blocks of
+/// `block` columns (a positive multiple of 16).
+///
+/// `channel_weights [cols]` are the search's normalized column weights
+/// (`Nvfp4BlockSearch::channel_weights`), `global_scale` the tensor's `weight_scale_2`.
+/// Inputs must be finite (the host's checks run before); shapes and the block are checked
+/// here. `u`'s strict lower triangle is not read.
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
+    client: &ComputeClient<R>,
+    gemm: &G,
+    w: &MatrixView,
+    u: &MatrixView,
+    channel_weights: &[f32],
+    global_scale: f32,
+    search: &Nvfp4BlockSearch,
+    block: usize,
+) -> Result<DeviceNvfp4Gptq, KernelError> {
+    check_problem(w, u, channel_weights, block)?;
+    search.validate()?;
+    let (rows, cols) = (w.rows, w.cols);
+    let blocks_per_row = cols / NVFP4_BLOCK;
+    let result = DeviceNvfp4Gptq {
+        rows,
+        cols,
+        block_scales: DeviceVec::zeros(client, rows * blocks_per_row)?,
+        codes: DeviceVec::zeros(client, rows * cols)?,
+        column_loss: DeviceVec::zeros(client, cols)?,
+    };
+    let errors = MatrixView::zeros(client, rows, cols)?;
+    let channel_weights = DeviceVec::upload(client, channel_weights);
+    let searching = SearchLaunch::new(client, search, global_scale);
+    let (count, dim) = elementwise(client, rows)?;
+    let mut b0 = 0;
+    while b0 < cols {
+        let b1 = (b0 + block).min(cols);
+        for c0 in (b0..b1).step_by(NVFP4_BLOCK) {
+            let window = w.window(0, c0, rows, NVFP4_BLOCK)?;
+            let found = searching.search(client, &window, &channel_weights, c0)?;
+            nvfp4_gptq_block_kernel::launch::<R>(
+                client,
+                count.clone(),
+                dim,
+                array_arg(&w.handle),
+                array_arg(&u.handle),
+                array_arg(&errors.handle),
+                array_arg(&found.block_scales.handle),
+                array_arg(&result.block_scales.handle),
+                array_arg(&result.codes.handle),
+                Fp4BlockArgsLaunch::new(
+                    w.offset,
+                    w.row_stride,
+                    u.offset,
+                    u.row_stride,
+                    errors.offset,
+                    errors.row_stride,
+                    rows,
+                    cols,
+                    c0,
+                    b1,
+                    blocks_per_row,
+                    global_scale,
+                ),
+            );
+        }
+        if b1 < cols {
+            let e = errors.window(0, b0, rows, b1 - b0)?;
+            let u_rest = u.window(b0, b1, b1 - b0, cols - b1)?;
+            let w_rest = w.window(0, b1, rows, cols - b1)?;
+            gemm.gemm(client, -1.0, &e, false, &u_rest, false, 1.0, &w_rest)?;
+        }
+        b0 = b1;
+    }
+    launch_column_loss(client, &errors, &result.column_loss)?;
+    flush(client, "nvfp4 gptq")?;
+    Ok(result)
+}
+
+/// The shapes [`nvfp4_gptq_solve`] accepts.
+fn check_problem(
+    w: &MatrixView,
+    u: &MatrixView,
+    channel_weights: &[f32],
+    block: usize,
+) -> Result<(), KernelError> {
+    w.check("nvfp4 gptq weights")?;
+    u.check("nvfp4 gptq upper factor")?;
+    let (rows, cols) = (w.rows, w.cols);
+    if rows == 0 || cols == 0 {
+        return Err(HessianError::Empty { what: "weights" }.into());
+    }
+    let problem = if cols % NVFP4_BLOCK != 0 {
+        Some(format!("{cols} columns, not a multiple of {NVFP4_BLOCK}"))
+    } else if (u.rows, u.cols) != (cols, cols) {
+        Some(format!("w is {rows}×{cols} but u is {}×{}", u.rows, u.cols))
+    } else if channel_weights.len() != cols {
+        Some(format!(
+            "{} channel weights for {cols} columns",
+            channel_weights.len()
+        ))
+    } else if block == 0 || block % NVFP4_BLOCK != 0 {
+        Some(format!("lazy block {block}, not a positive multiple of 16"))
+    } else {
+        None
+    };
+    match problem {
+        Some(message) => Err(KernelError::shape("nvfp4 gptq", message)),
+        None => Ok(()),
+    }
+}
+
+/// The scalars of the block kernel.
+#[derive(CubeLaunch, CubeType)]
+struct Fp4BlockArgs {
+    w_offset: usize,
+    w_stride: usize,
+    u_offset: usize,
+    u_stride: usize,
+    e_offset: usize,
+    e_stride: usize,
+    rows: usize,
+    cols: usize,
+    /// The block's first column.
+    c0: usize,
+    /// The end of the lazy block the block is in.
+    lazy_end: usize,
+    blocks_per_row: usize,
+    global: f32,
+}
+
+/// One unit per row: the 16 columns of the block `[c0, c0 + 16)` on the scale the search
+/// found for the row, then the block's errors subtracted from the rest of the lazy block.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn nvfp4_gptq_block_kernel(
+    w: &mut Array<f32>,
+    u: &Array<f32>,
+    e: &mut Array<f32>,
+    found: &Array<u32>,
+    scales: &mut Array<u32>,
+    codes: &mut Array<u32>,
+    args: &Fp4BlockArgs,
+) {
+    let r = ABSOLUTE_POS;
+    if r < args.rows {
+        let byte = found[r];
+        let divisor = e4m3_decode(byte) * args.global;
+        let c0 = args.c0;
+        let w_row = args.w_offset + r * args.w_stride;
+        let mut values = Array::<f32>::new(16usize);
+        let mut errs = Array::<f32>::new(16usize);
+        #[unroll]
+        for j in 0..16usize {
+            values[j] = w[w_row + c0 + j];
+        }
+        #[unroll]
+        for c in 0..16usize {
+            let x = values[c];
+            let (code, magnitude) = e2m1_round(x / divisor);
+            let mut q = magnitude * divisor;
+            if code >= 8 {
+                q = -q;
+            }
+            let u_row = args.u_offset + (c0 + c) * args.u_stride;
+            let err = (x - q) / u[u_row + c0 + c];
+            errs[c] = err;
+            codes[r * args.cols + c0 + c] = code;
+            e[args.e_offset + r * args.e_stride + c0 + c] = err;
+            #[unroll]
+            for j in 0..16usize {
+                if j > c {
+                    values[j] -= err * u[u_row + c0 + j];
+                }
+            }
+        }
+        scales[r * args.blocks_per_row + c0 / 16] = byte;
+        for j in c0 + 16..args.lazy_end {
+            let mut update = 0.0f32;
+            #[unroll]
+            for c in 0..16usize {
+                update += errs[c] * u[args.u_offset + (c0 + c) * args.u_stride + j];
+            }
+            w[w_row + j] -= update;
+        }
+    }
+}
