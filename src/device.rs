@@ -224,6 +224,31 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
             .quantize_rtn_resident(grid, weights, out, inp, &device_view(h)?)
     }
 
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &sala_gptq::hessian::Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: sala_gptq::ResidentHessian<'_, sala_gptq::CudaBackend>,
+        global_scale: f32,
+    ) -> Result<sala_gptq::hessian::Nvfp4GptqResult, sala_gptq::hessian::HessianError> {
+        let matrix = device_view(h.tensor)?;
+        let h = resident_hessian(&matrix, h);
+        self.0
+            .solve_nvfp4_gptq_resident(solver, weights, rows, cols, h, global_scale)
+    }
+
+    fn proxy_error(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        h: &burn::tensor::Tensor<sala_gptq::CudaBackend, 2>,
+    ) -> Result<f64, sala_gptq::hessian::HessianError> {
+        self.0
+            .proxy_error_resident(weights, dequantized, &device_view(h)?)
+    }
+
     fn take_step_seconds(&self) -> Vec<(&'static str, f64)> {
         self.0.take_step_seconds()
     }

@@ -313,32 +313,12 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             read_next,
         } = h;
         let gptq = Gptq::new(*config)?;
-        if (h.rows, h.cols) != (inp, inp) {
-            return Err(HessianError::DimensionMismatch {
-                what: "hessian dimension vs weight columns",
-                left: h.rows,
-                right: inp,
-            });
-        }
         let client = &self.client;
-        let (diag, prepared, non_finite) = self.timed("prepare", || {
-            let diag: Vec<f64> = diagonal(client, h)?
-                .download(client)?
-                .into_iter()
-                .map(f64::from)
-                .collect();
+        let (diag, prepared) = self.timed("prepare", || {
+            let diag = self.checked_diagonal(h, inp)?;
             let prepared = gptq.prepare(weights, out, inp, &diag)?;
-            Ok((diag, prepared, first_non_finite(client, h)?))
+            Ok((diag, prepared))
         })?;
-        if let Some((row, col)) = non_finite {
-            let value = h.window(row, col, 1, 1)?.download(client)?[0];
-            return Err(HessianError::NonFinite {
-                what: "hessian",
-                row,
-                col,
-                value: value as f64,
-            });
-        }
         // The original weights stay on the device until the proxy errors are known.
         let w_view = self.timed("upload weights", || Ok(self.upload(weights, out, inp)?))?;
         let baseline = match baseline {
@@ -359,12 +339,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             let q = gptq.solve_with_loop(weights, out, inp, &host, self)?;
             return Ok((UnfinishedGptq::finished(q), baseline));
         }
-        let factor = match kept.filter(|k| k.serves(&diag, &prepared.order, &config.damping)) {
-            Some(kept) => Some((kept.upper, kept.attempt)),
-            None => self.timed("factor", || {
-                self.damped_factor(h, &prepared, &config.damping, &diag)
-            })?,
-        };
+        let factor = self.shared_factor(kept, h, &prepared, &config.damping, &diag)?;
         let Some((upper, attempt)) = factor else {
             return match config.on_failure {
                 FailurePolicy::Error => Err(config.damping.exhausted(prepared.mean_diag)),
@@ -404,8 +379,6 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 attempt,
                 diag,
             });
-        } else {
-            drop(upper);
         }
         let proxy = match config.proxy_error {
             true => Some(self.timed("proxy error", || {
@@ -420,6 +393,93 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             gptq.unfinished(out, prepared, sol, attempt, proxy),
             baseline,
         ))
+    }
+
+    /// GPTQ on the NVFP4 grid of `weights` `[rows, cols]` (row-major f32, host) against the
+    /// device Hessian `h` (`[cols, cols]` f32, normalized and smoothed; its lower triangle is
+    /// factored): what [`LinearSolver::solve_nvfp4_gptq`] returns for the same Hessian on the
+    /// host, up to f32 summation orders. The damped factor, the column loop and the proxy
+    /// error run on the device; only `diag(H)`, the weights, the codes and the scales cross
+    /// the bus. A factor is shared between the linears of one Hessian as in
+    /// [`solve_gptq_resident_unfinished`](Self::solve_gptq_resident_unfinished).
+    pub fn solve_nvfp4_gptq_resident(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: ResidentHessian<'_>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        let kept = self.take_kept_factor();
+        let ResidentHessian {
+            matrix: h,
+            read_next,
+        } = h;
+        let (diag, prepared) = self.timed("prepare", || {
+            let diag = self.checked_diagonal(h, cols)?;
+            let prepared = solver.prepare(weights, rows, cols, &diag, global_scale)?;
+            Ok((diag, prepared))
+        })?;
+        let proxy = |q: &[f32]| {
+            self.timed("proxy error", || {
+                self.proxy_error(h, weights, q, rows, cols)
+            })
+        };
+        let columns = &prepared.columns;
+        let Some((upper, attempt)) =
+            self.shared_factor(kept, h, columns, &solver.damping, &diag)?
+        else {
+            return match solver.on_failure {
+                FailurePolicy::Error => Err(solver.damping.exhausted(columns.mean_diag)),
+                FailurePolicy::Rtn => solver.search_fallback(weights, &prepared, proxy),
+            };
+        };
+        let w = self.timed("upload weights", || {
+            Ok(self.upload(&columns.dead_zeroed(weights, cols), rows, cols)?)
+        })?;
+        let found = self.timed("column loop", || {
+            Ok(nvfp4_gptq_solve(
+                &self.client,
+                &self.gemm,
+                &w,
+                &upper,
+                &prepared.channel_weights,
+                global_scale,
+                &solver.search,
+                solver.lazy_block(cols),
+            )?)
+        })?;
+        drop(w);
+        if read_next {
+            self.keep_factor(KeptFactor {
+                order: columns.order.clone(),
+                damping: solver.damping,
+                upper,
+                attempt,
+                diag,
+            });
+        }
+        let sol = self.timed("download codes", || {
+            Ok(found.download_with(&self.client, self.transfer.as_ref())?)
+        })?;
+        solver.finish(&prepared, sol, attempt.retries, proxy)
+    }
+
+    /// `tr(D·H·Dᵀ)`, `D = W − Q`, of `weights` and `dequantized` (`[rows, cols]`, host) under
+    /// the device Hessian `h` `[cols, cols]`: the proxy output error of any quantized weight
+    /// (the report's baselines), computed where `h` is.
+    pub fn proxy_error_resident(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        h: &MatrixView,
+    ) -> Result<f64, HessianError> {
+        let cols = h.cols;
+        check_weights_against(weights, dequantized, h)?;
+        self.timed("proxy error", || {
+            self.proxy_error(h, weights, dequantized, weights.len() / cols, cols)
+        })
     }
 
     /// The proxy output error of round-to-nearest on `grid` of the weights `w` (on the device,
@@ -476,6 +536,46 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             self.proxy_error(h, weights, &q.dequantized, out, inp)
         })?);
         Ok(q)
+    }
+
+    /// `diag(h)` of the device Hessian `h`, checked to be `[inp, inp]` and finite (the first
+    /// non-finite element is reported by position).
+    fn checked_diagonal(&self, h: &MatrixView, inp: usize) -> Result<Vec<f64>, HessianError> {
+        if (h.rows, h.cols) != (inp, inp) {
+            return Err(HessianError::DimensionMismatch {
+                what: "hessian dimension vs weight columns",
+                left: h.rows,
+                right: inp,
+            });
+        }
+        let client = &self.client;
+        if let Some((row, col)) = first_non_finite(client, h)? {
+            let value = h.window(row, col, 1, 1)?.download(client)?[0];
+            return Err(HessianError::NonFinite {
+                what: "hessian",
+                row,
+                col,
+                value: value as f64,
+            });
+        }
+        let diag = diagonal(client, h)?.download(client)?;
+        Ok(diag.into_iter().map(f64::from).collect())
+    }
+
+    /// GPTQ's damped factor of `h` for `prepared`'s loop order: `kept` when it is that factor,
+    /// else factored now ([`damped_factor`](Self::damped_factor)).
+    fn shared_factor(
+        &self,
+        kept: Option<KeptFactor>,
+        h: &MatrixView,
+        prepared: &GptqPreparation,
+        damping: &sala_hessian::Damping,
+        diag: &[f64],
+    ) -> Result<Option<(MatrixView, DampingAttempt)>, HessianError> {
+        match kept.filter(|k| k.serves(diag, &prepared.order, damping)) {
+            Some(kept) => Ok(Some((kept.upper, kept.attempt))),
+            None => self.timed("factor", || self.damped_factor(h, prepared, damping, diag)),
+        }
     }
 
     /// The factor kept by the last solve, if any, now no longer kept.
@@ -613,6 +713,34 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             column_loss: host.column_loss.iter().map(|&l| l as f64).collect(),
         })
     }
+}
+
+/// Checks that `weights` and `dequantized` are one `[rows, cols]` matrix for the square
+/// Hessian `h` `[cols, cols]`.
+fn check_weights_against(
+    weights: &[f32],
+    dequantized: &[f32],
+    h: &MatrixView,
+) -> Result<(), HessianError> {
+    let mismatch = |what, left, right| HessianError::DimensionMismatch { what, left, right };
+    if h.rows != h.cols {
+        return Err(mismatch("hessian rows vs columns", h.rows, h.cols));
+    }
+    if h.cols == 0 || weights.len() % h.cols != 0 {
+        return Err(mismatch(
+            "weight elements vs hessian dimension",
+            weights.len(),
+            h.cols,
+        ));
+    }
+    if dequantized.len() != weights.len() {
+        return Err(mismatch(
+            "dequantized vs original weight elements",
+            dequantized.len(),
+            weights.len(),
+        ));
+    }
+    Ok(())
 }
 
 /// The kernel's options for `quantizer`'s grid with groups of `group_size`, the configured

@@ -9,7 +9,7 @@ use crate::budget::Statistics;
 use crate::error::PipelineError;
 use crate::hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
-use crate::options::{QuantizeOptions, Smoothing};
+use crate::options::{Nvfp4Solver, QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
@@ -780,7 +780,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
-            let read_next = next_reads_same_hessian(&planned, &group_of);
+            let nvfp4_gptq = self.options.nvfp4_solver == Nvfp4Solver::Gptq;
+            let read_next = next_reads_same_hessian(&planned, &group_of, nvfp4_gptq);
             for (linear, read_next) in planned.into_iter().zip(read_next) {
                 let solve = LinearSolve {
                     linear: &linear,
@@ -876,7 +877,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             | (Treatment::Nvfp4, stats @ Finalized::FullAndChannels(..)) => {
                 let global = fused_scales[&linear.name];
                 SolveOutcome::Done(self.solve_nvfp4(
-                    linear,
+                    solve,
                     &mut w.data,
                     stats,
                     global,
@@ -1051,12 +1052,13 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
 
     fn solve_nvfp4(
         &self,
-        linear: &PlannedLinear,
+        solve: LinearSolve<'_>,
         w: &mut [f32],
         stats: &Finalized<B>,
         global: f32,
         report: &mut LinearReport,
     ) -> Result<SolvedLinear, PipelineError> {
+        let linear = solve.linear;
         let (out, inp) = (linear.out_features, linear.in_features);
         let format_err = |source| PipelineError::Format {
             linear: linear.name.clone(),
@@ -1071,22 +1073,46 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         })?;
         let diag: Vec<f32> = s.mean_square.iter().map(|&d| d as f32).collect();
         let act_amax = s.abs_max.iter().fold(0f32, |m, &v| m.max(v));
-        let hessian = stats.host_hessian(&linear.name)?;
+        // A device Hessian stays there with a resident solver, else comes to the host.
+        let resident = match (stats.device_hessian(), &self.resident) {
+            (Some(tensor), Some(solver)) => Some((
+                solver,
+                ResidentHessian {
+                    tensor,
+                    read_next: solve.read_next,
+                },
+            )),
+            _ => None,
+        };
+        let hessian = match resident {
+            Some(_) => None,
+            None => stats.host_hessian(&linear.name)?,
+        };
         let t = Instant::now();
         // GPTQ minimizes the full proxy `tr(ΔW H ΔWᵀ)` and the search the diagonal one: each
         // run reports (and compares with max calibration) the error its solver minimizes.
-        let error_of = |q: &[f32]| match hessian.as_deref() {
-            Some(h) => proxy_error(w, q, inp, h),
-            None => diagonal_error(w, q, &diag),
+        let full_hessian = resident.is_some() || hessian.is_some();
+        let error_of = |q: &[f32]| match (resident, hessian.as_deref()) {
+            (Some((solver, h)), _) => solver.proxy_error(w, q, h.tensor).map_err(solve_err),
+            (None, Some(h)) => Ok(proxy_error(w, q, inp, h)),
+            (None, None) => Ok(diagonal_error(w, q, &diag)),
+        };
+        let options = self.options.nvfp4_gptq();
+        let gptq = match (resident, hessian.as_deref()) {
+            (Some((solver, h)), _) => {
+                Some(solver.solve_nvfp4_gptq(&options, w, out, inp, h, global))
+            }
+            (None, Some(h)) => Some(
+                self.solver
+                    .solve_nvfp4_gptq(&options, w, out, inp, h, global),
+            ),
+            (None, None) => None,
         };
         // The matrix from the solver's codes and scales, with its dequantized values, and its
         // error when the solver computed it already.
-        let (matrix, dequantized, solved_error) = match hessian.as_deref() {
-            Some(h) => {
-                let q = self
-                    .solver
-                    .solve_nvfp4_gptq(&self.options.nvfp4_gptq(), w, out, inp, h, global)
-                    .map_err(solve_err)?;
+        let (matrix, dequantized, solved_error) = match gptq {
+            Some(q) => {
+                let q = q.map_err(solve_err)?;
                 report.gptq_loss = Some(q.loss);
                 report.damping_retries = q.damping_retries;
                 report.rtn_fallback = q.method == Method::RtnFallback;
@@ -1108,19 +1134,22 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         report.add_step("solve", seconds_since(t));
         if self.options.compare_rtn {
             let t = Instant::now();
-            let baseline = match hessian {
-                Some(_) => {
+            let baseline = match full_hessian {
+                true => {
                     let max = Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
                         .map_err(format_err)?;
-                    error_of(&max.dequantize())
+                    error_of(&max.dequantize())?
                 }
-                None => max_calibration_diagonal_error(w, global, &diag).map_err(format_err)?,
+                false => max_calibration_diagonal_error(w, global, &diag).map_err(format_err)?,
             };
             report.baseline_output_error = Some(baseline);
             report.add_step("baseline", seconds_since(t));
         }
         let t = Instant::now();
-        report.output_error = Some(solved_error.unwrap_or_else(|| error_of(&dequantized)));
+        report.output_error = Some(match solved_error {
+            Some(error) => error,
+            None => error_of(&dequantized)?,
+        });
         report.add_step("error", seconds_since(t));
         w.copy_from_slice(&dequantized);
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
@@ -1234,15 +1263,17 @@ struct LinearSolve<'a> {
     read_next: bool,
 }
 
-/// For each of `planned` (in solve order), whether it and the next one are both GPTQ on the
-/// same input group's Hessian: the solver may then keep the Hessian's damped factor for the
-/// next one.
+/// For each of `planned` (in solve order), whether it and the next one are both GPTQ
+/// (integer, or NVFP4 when `nvfp4_gptq`) on the same input group's Hessian: the solver may
+/// then keep the Hessian's damped factor for the next one.
 fn next_reads_same_hessian(
     planned: &[PlannedLinear],
     group_of: &BTreeMap<&str, usize>,
+    nvfp4_gptq: bool,
 ) -> Vec<bool> {
     let gptq_group = |l: &PlannedLinear| match l.treatment {
         Treatment::Int { .. } => group_of.get(l.name.as_str()).copied(),
+        Treatment::Nvfp4 if nvfp4_gptq => group_of.get(l.name.as_str()).copied(),
         _ => None,
     };
     let groups: Vec<Option<usize>> = planned.iter().map(gptq_group).collect();

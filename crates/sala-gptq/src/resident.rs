@@ -6,7 +6,9 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use sala_hessian::{GptqConfig, HessianError, IntGrid, QuantizedLinear, UnfinishedGptq};
+use sala_hessian::{
+    GptqConfig, HessianError, IntGrid, Nvfp4Gptq, Nvfp4GptqResult, QuantizedLinear, UnfinishedGptq,
+};
 
 /// A device Hessian handed to a [`ResidentSolver`]'s GPTQ solve, and whether the caller's
 /// next GPTQ solve reads it too.
@@ -14,9 +16,10 @@ pub struct ResidentHessian<'a, B: Backend> {
     /// `[inp, inp]` f32 on the device, normalized and smoothed (its lower triangle is the one
     /// factored).
     pub tensor: &'a Tensor<B, 2>,
-    /// The next GPTQ solve reads this Hessian too (another linear of the same input, such as
-    /// q/k/v or gate/up): a solver may keep what it computed of the Hessian alone (GPTQ's
-    /// damped factor, `inp²` f32 of device memory) for that solve, which frees it.
+    /// The next GPTQ solve (integer or NVFP4) reads this Hessian too (another linear of the
+    /// same input, such as q/k/v or gate/up): a solver may keep what it computed of the
+    /// Hessian alone (GPTQ's damped factor, `inp²` f32 of device memory) for that solve,
+    /// which frees it.
     pub read_next: bool,
 }
 
@@ -82,6 +85,29 @@ pub trait ResidentSolver<B: Backend> {
             baseline_seconds: start.elapsed().as_secs_f64(),
         })
     }
+
+    /// GPTQ on the NVFP4 grid of `weights` `[rows, cols]` (row-major f32, host) with the
+    /// device Hessian `h` and the global scale `global_scale`: what
+    /// `LinearSolver::solve_nvfp4_gptq` returns for the same Hessian on the host, up to f32
+    /// summation orders, its proxy error included. `h` is left as it is.
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: ResidentHessian<'_, B>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError>;
+
+    /// `tr(D·H·Dᵀ)`, `D = W − Q`, of `weights` and `dequantized` (row-major `[rows, cols]`,
+    /// host) under the device Hessian `h` `[cols, cols]`: the report's baselines.
+    fn proxy_error(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        h: &Tensor<B, 2>,
+    ) -> Result<f64, HessianError>;
 
     /// Seconds per named step since the last call, as [`sala_hessian::LinearSolver`]'s
     /// `take_step_seconds`; none by default.

@@ -430,6 +430,15 @@ impl<B: Backend> Finalized<B> {
         }
     }
 
+    /// The full Hessian if it is on the device (`[dim, dim]` f32, normalized).
+    pub(crate) fn device_hessian(&self) -> Option<&Tensor<B, 2>> {
+        match self {
+            Finalized::DeviceFull(h) => Some(h),
+            Finalized::FullAndChannels(h, _) => h.device_hessian(),
+            Finalized::Full(_) | Finalized::Diagonal(_) => None,
+        }
+    }
+
     /// The full Hessian on the host in f64 (a device Hessian downloaded, its lower triangle
     /// mirrored); `None` for channel statistics.
     pub(crate) fn host_hessian(

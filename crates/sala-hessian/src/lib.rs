@@ -46,7 +46,7 @@ pub use hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
 pub use inverse::{CholeskyInverse, Damping, FaerFactorizer, UpperFactorizer};
-pub use nvfp4_gptq::{Nvfp4ColumnLoop, Nvfp4Columns, Nvfp4Gptq, Nvfp4GptqResult};
+pub use nvfp4_gptq::{Nvfp4ColumnLoop, Nvfp4Columns, Nvfp4Gptq, Nvfp4GptqResult, Nvfp4Preparation};
 pub use quantized::{proxy_error, IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{ClipSearch, IntScheme, QuantParams};

@@ -15,10 +15,13 @@ use sala_formats::NVFP4_BLOCK;
 use crate::block_search::Nvfp4BlockSearch;
 use crate::error::HessianError;
 use crate::gptq::{
-    blocked_loop, effective_block, ColumnGrid, ColumnSolution, FailurePolicy, OUTER_BLOCKS,
+    blocked_loop, effective_block, ColumnGrid, ColumnSolution, FailurePolicy, GptqPreparation,
+    OUTER_BLOCKS,
 };
 use crate::hessian::Hessian;
-use crate::inverse::{diagonal_f64, CholeskyInverse, Damping, UpperFactorizer};
+use crate::inverse::{
+    dead_columns, diagonal_f64, mean_fixed_diagonal, CholeskyInverse, Damping, UpperFactorizer,
+};
 use crate::quantized::{check_weights, proxy_error, Method};
 use crate::scalar::HessianScalar;
 
@@ -113,72 +116,122 @@ impl Nvfp4Gptq {
         global_scale: f32,
         column_loop: &L,
     ) -> Result<Nvfp4GptqResult, HessianError> {
-        self.validate()?;
-        check_weights(weights, rows, cols, Some(h.dim()))?;
-        let diag = hessian_diagonal(h);
-        let channel_weights = self.search.channel_weights(cols, &diag, global_scale)?;
-        let natural: Vec<usize> = (0..cols).collect();
+        let prepared = self.prepare(weights, rows, cols, &diagonal_f64(h), global_scale)?;
+        let proxy = |q: &[f32]| column_loop.proxy_error(weights, q, cols, h);
+        let order = &prepared.columns.order;
         let factorizer = column_loop.factorizer();
-        let inverse =
-            match CholeskyInverse::with_order_using(h, &natural, &self.damping, factorizer) {
-                Ok(inverse) => inverse,
-                Err(HessianError::NotPositiveDefinite { .. })
-                    if self.on_failure == FailurePolicy::Rtn =>
-                {
-                    return self.search_only(weights, rows, cols, h, &diag, global_scale);
-                }
-                Err(e) => return Err(e),
-            };
-        let mut w = weights.to_vec();
-        zero_dead_columns(&mut w, cols, inverse.dead());
+        let inverse = match CholeskyInverse::with_order_using(h, order, &self.damping, factorizer) {
+            Ok(inverse) => inverse,
+            Err(HessianError::NotPositiveDefinite { .. })
+                if self.on_failure == FailurePolicy::Rtn =>
+            {
+                return self.search_fallback(weights, &prepared, proxy);
+            }
+            Err(e) => return Err(e),
+        };
+        let mut w = prepared.columns.dead_zeroed(weights, cols).into_owned();
         let grid = Nvfp4Columns {
             rows,
             cols,
             upper: inverse.upper(),
             search: &self.search,
-            channel_weights: &channel_weights,
+            channel_weights: &prepared.channel_weights,
             global_scale,
         };
+        let sol = column_loop.run(&grid, self.lazy_block(cols), &mut w)?;
+        self.finish(&prepared, sol, inverse.retries(), proxy)
+    }
+
+    /// The column loop's lazy block for `cols` columns: the configured one (128 when 0),
+    /// shortened to whole 16-column blocks.
+    pub fn lazy_block(&self, cols: usize) -> usize {
         let configured = if self.block_size == 0 {
             128
         } else {
             self.block_size
         };
-        let block = effective_block(configured, NVFP4_BLOCK, cols, false);
-        let sol = column_loop.run(&grid, block, &mut w)?;
-        let dequantized = dequantize(&sol.codes, &sol.params_rows, global_scale);
-        Ok(Nvfp4GptqResult {
+        effective_block(configured, NVFP4_BLOCK, cols, false)
+    }
+
+    /// Checks the options and `weights [rows, cols]` against `diag(H)` `[cols]`, and derives
+    /// what the loop needs of the Hessian besides its factor ([`Nvfp4Preparation`]).
+    ///
+    /// Errors: shapes, non-finite weights, `cols` not a multiple of 16, a global scale that
+    /// is not positive and finite.
+    pub fn prepare(
+        &self,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        diag: &[f64],
+        global_scale: f32,
+    ) -> Result<Nvfp4Preparation, HessianError> {
+        self.validate()?;
+        check_weights(weights, rows, cols, Some(diag.len()))?;
+        // Rounding noise below zero is no weight: the search weighs by the clipped diagonal.
+        let search_diag: Vec<f32> = diag.iter().map(|&d| d.max(0.0) as f32).collect();
+        let channel_weights = self
+            .search
+            .channel_weights(cols, &search_diag, global_scale)?;
+        let dead = dead_columns(diag);
+        Ok(Nvfp4Preparation {
+            columns: GptqPreparation {
+                mean_diag: mean_fixed_diagonal(diag, &dead),
+                dead,
+                order: (0..cols).collect(),
+                group_size: NVFP4_BLOCK,
+                clip_weights: None,
+            },
             rows,
-            cols,
             global_scale,
-            proxy_error: column_loop.proxy_error(weights, &dequantized, cols, h)?,
+            search_diag,
+            channel_weights,
+        })
+    }
+
+    /// The result of the column loop's `sol` (codes and scale bytes `[rows, cols/16]`), found
+    /// after `retries` failed damping attempts, with its proxy error from `proxy_error` of
+    /// the dequantized weight.
+    pub fn finish(
+        &self,
+        prepared: &Nvfp4Preparation,
+        sol: ColumnSolution<u8>,
+        retries: usize,
+        proxy_error: impl FnOnce(&[f32]) -> Result<f64, HessianError>,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        let dequantized = dequantize(&sol.codes, &sol.params_rows, prepared.global_scale);
+        Ok(Nvfp4GptqResult {
+            rows: prepared.rows,
+            cols: prepared.columns.order.len(),
+            global_scale: prepared.global_scale,
+            proxy_error: proxy_error(&dequantized)?,
             block_scales: sol.params_rows,
             codes: sol.codes,
             dequantized,
             loss: sol.column_loss.iter().sum(),
             method: Method::Gptq,
-            damping_retries: inverse.retries(),
+            damping_retries: retries,
         })
     }
 
-    /// The [`FailurePolicy::Rtn`] fallback: the block search alone.
-    fn search_only<T: HessianScalar>(
+    /// The [`FailurePolicy::Rtn`] fallback when no damping makes the Hessian factorable: the
+    /// block search alone, its proxy error from `proxy_error`.
+    pub fn search_fallback(
         &self,
         weights: &[f32],
-        rows: usize,
-        cols: usize,
-        h: &Hessian<T>,
-        diag: &[f32],
-        global_scale: f32,
+        prepared: &Nvfp4Preparation,
+        proxy_error: impl FnOnce(&[f32]) -> Result<f64, HessianError>,
     ) -> Result<Nvfp4GptqResult, HessianError> {
+        let (rows, cols) = (prepared.rows, prepared.columns.order.len());
+        let global_scale = prepared.global_scale;
         let found = self
             .search
-            .search(weights, rows, cols, diag, global_scale)?;
+            .search(weights, rows, cols, &prepared.search_diag, global_scale)?;
         Ok(Nvfp4GptqResult {
             rows,
             cols,
             global_scale,
-            proxy_error: proxy_error(weights, &found.dequantized, cols, h),
+            proxy_error: proxy_error(&found.dequantized)?,
             block_scales: found.block_scales,
             codes: found.codes,
             dequantized: found.dequantized,
@@ -187,6 +240,23 @@ impl Nvfp4Gptq {
             damping_retries: self.damping.max_retries,
         })
     }
+}
+
+/// [`Nvfp4Gptq::prepare`]'s result: what the column loop needs of the Hessian besides its
+/// factor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nvfp4Preparation {
+    /// Dead columns, the damping reference and the loop order (natural: an NVFP4 block is 16
+    /// consecutive stored columns), as GPTQ's preparation (groups of 16, no clipping search).
+    pub columns: GptqPreparation,
+    /// Output rows.
+    pub rows: usize,
+    /// The tensor's (or fused group's) `weight_scale_2`.
+    pub global_scale: f32,
+    /// `max(diag H, 0)` in f32, `[cols]`: the block search's weights.
+    pub search_diag: Vec<f32>,
+    /// The search's normalized column weights ([`Nvfp4BlockSearch::channel_weights`]).
+    pub channel_weights: Vec<f32>,
 }
 
 /// Where [`Nvfp4Gptq`]'s factorization, column loop and proxy error run: the host

@@ -277,6 +277,119 @@ fn device_nvfp4_gptq_matches_the_host_loop() {
     }
 }
 
+/// GPTQ on the NVFP4 grid against a Hessian in device memory: the host solver's result up to
+/// f32 summation orders; the linears of one Hessian share its factor; the fallback when no
+/// damping factors it is the block search; the proxy error of any weight where `H` is.
+#[test]
+fn resident_nvfp4_gptq_matches_the_host_and_shares_the_factor() {
+    if client().is_none() {
+        return;
+    }
+    let calls = Arc::new(AtomicUsize::new(0));
+    let device = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
+        calls: calls.clone(),
+        refuse: 0,
+    }));
+    let (rows, cols) = (24, 160);
+    let mut rng = Rng::new(31);
+    let h = hessian(&mut rng, cols);
+    let h_device = on_device(&h);
+    let linears: Vec<Vec<f32>> = (0..2)
+        .map(|_| (0..rows * cols).map(|_| 0.1 * rng.normal()).collect())
+        .collect();
+    let amax = linears[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+    let global = global_scale_from_amax(amax).unwrap();
+    let options = Nvfp4Gptq {
+        block_size: 64,
+        ..Nvfp4Gptq::default()
+    };
+    let resident = |w: &[f32], read_next: bool| {
+        let h = ResidentHessian {
+            matrix: &h_device,
+            read_next,
+        };
+        device
+            .solve_nvfp4_gptq_resident(&options, w, rows, cols, h, global)
+            .unwrap()
+    };
+    let alone: Vec<_> = linears.iter().map(|w| resident(w, false)).collect();
+    assert_eq!(calls.swap(0, Ordering::SeqCst), 2);
+    for (w, gpu) in linears.iter().zip(&alone) {
+        let cpu = CpuSolver
+            .solve_nvfp4_gptq(&options, w, rows, cols, &h, global)
+            .unwrap();
+        assert_eq!(gpu.method, Method::Gptq);
+        assert_eq!(gpu.damping_retries, cpu.damping_retries);
+        let differing = gpu
+            .codes
+            .iter()
+            .zip(&cpu.codes)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            differing * 50 <= gpu.codes.len(),
+            "{differing} codes differ"
+        );
+        assert!((0..rows).all(|r| gpu.dequantized[r * cols + 3] == 0.0));
+        assert!(
+            relative(gpu.loss, cpu.loss) < 1e-2,
+            "{} vs {}",
+            gpu.loss,
+            cpu.loss
+        );
+        let host_proxy = sala_hessian::proxy_error(w, &gpu.dequantized, cols, &h);
+        assert!(relative(gpu.proxy_error, host_proxy) < 1e-4);
+        let (a, b) = (gpu.proxy_error, cpu.proxy_error);
+        assert!(relative(a, b) < 2e-2, "proxy {a} vs {b}");
+    }
+
+    // One factor for both linears, and the same results as alone.
+    let shared = [resident(&linears[0], true), resident(&linears[1], false)];
+    assert_eq!(calls.swap(0, Ordering::SeqCst), 1);
+    assert_eq!(shared[..], alone[..]);
+
+    // The proxy error of any weight under the device Hessian, and its shape checks.
+    let proxy = device
+        .proxy_error_resident(&linears[0], &linears[1], &h_device)
+        .unwrap();
+    let host = sala_hessian::proxy_error(&linears[0], &linears[1], cols, &h);
+    assert!(relative(proxy, host) < 1e-4, "{proxy} vs {host}");
+    assert!(matches!(
+        device.proxy_error_resident(&linears[0][1..], &linears[1][1..], &h_device),
+        Err(HessianError::DimensionMismatch { .. })
+    ));
+    assert!(matches!(
+        device.proxy_error_resident(&linears[0], &linears[1][1..], &h_device),
+        Err(HessianError::DimensionMismatch { .. })
+    ));
+
+    // No damping factors the Hessian: the error, or the block search alone on request.
+    let refusing = solver().with_device_factorizer(Arc::new(CountingDeviceFactorizer {
+        calls: Arc::new(AtomicUsize::new(0)),
+        refuse: usize::MAX,
+    }));
+    let on_refusing = |options: &Nvfp4Gptq| {
+        let h = ResidentHessian::from(&h_device);
+        refusing.solve_nvfp4_gptq_resident(options, &linears[0], rows, cols, h, global)
+    };
+    assert!(matches!(
+        on_refusing(&options),
+        Err(HessianError::NotPositiveDefinite { attempts: 6, .. })
+    ));
+    let fallback = on_refusing(&Nvfp4Gptq {
+        on_failure: FailurePolicy::Rtn,
+        ..options
+    })
+    .unwrap();
+    let diag: Vec<f32> = (0..cols).map(|j| h.get(j, j).max(0.0) as f32).collect();
+    let search = CpuSolver
+        .search_nvfp4(&options.search, &linears[0], rows, cols, &diag, global)
+        .unwrap();
+    assert_eq!(fallback.method, Method::RtnFallback);
+    assert_eq!(fallback.codes, search.codes);
+    assert_eq!(fallback.block_scales, search.block_scales);
+}
+
 #[test]
 fn device_block_search_equals_the_host_search_and_reports_bad_weights() {
     if client().is_none() {

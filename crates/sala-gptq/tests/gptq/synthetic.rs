@@ -3,14 +3,14 @@
 
 use burn::tensor::Tensor;
 use sala_gptq::hessian::{
-    GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4SearchResult,
-    QuantizedLinear, UnfinishedGptq,
+    GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult,
+    Nvfp4SearchResult, QuantizedLinear, UnfinishedGptq,
 };
 use sala_gptq::model::SalaConfig;
 use sala_gptq::synthetic::random_samples;
 use sala_gptq::{
-    CpuBackend, CpuSolver, HiddenLocation, LinearSolver, NoProgress, QuantizeOptions, Recipe,
-    SyntheticModel, SyntheticReport, SyntheticRun,
+    CpuBackend, CpuSolver, HiddenLocation, LinearSolver, NoProgress, Nvfp4Solver, QuantizeOptions,
+    Recipe, SyntheticModel, SyntheticReport, SyntheticRun,
 };
 use sala_gptq::{ResidentHessian, ResidentSolver};
 use std::cell::RefCell;
@@ -32,6 +32,7 @@ fn tiny_config() -> SalaConfig {
 struct Recording {
     gptq: RefCell<Vec<(usize, usize)>>,
     nvfp4: RefCell<Vec<(usize, usize)>>,
+    nvfp4_gptq: RefCell<Vec<(usize, usize)>>,
 }
 
 impl LinearSolver for Recording {
@@ -62,6 +63,19 @@ impl LinearSolver for Recording {
     ) -> Result<Nvfp4SearchResult, HessianError> {
         self.nvfp4.borrow_mut().push((cols, diag_h.len()));
         CpuSolver.search_nvfp4(search, weights, rows, cols, diag_h, global_scale)
+    }
+
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &Hessian<f64>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        self.nvfp4_gptq.borrow_mut().push((cols, h.dim()));
+        CpuSolver.solve_nvfp4_gptq(solver, weights, rows, cols, h, global_scale)
     }
 
     fn quantize_rtn(
@@ -244,6 +258,36 @@ impl ResidentSolver<CpuBackend> for DownloadingResident {
     ) -> Result<QuantizedLinear, HessianError> {
         CpuSolver.quantize_rtn(grid, weights, out, inp, &Self::host(h))
     }
+
+    fn solve_nvfp4_gptq(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: ResidentHessian<'_, CpuBackend>,
+        global_scale: f32,
+    ) -> Result<Nvfp4GptqResult, HessianError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.read_next.lock().unwrap().push(h.read_next);
+        let host = Self::host(h.tensor);
+        CpuSolver.solve_nvfp4_gptq(solver, weights, rows, cols, &host, global_scale)
+    }
+
+    fn proxy_error(
+        &self,
+        weights: &[f32],
+        dequantized: &[f32],
+        h: &Tensor<CpuBackend, 2>,
+    ) -> Result<f64, HessianError> {
+        let cols = h.dims()[0];
+        Ok(sala_gptq::hessian::proxy_error(
+            weights,
+            dequantized,
+            cols,
+            &Self::host(h),
+        ))
+    }
 }
 
 /// With device statistics, every GPTQ solve goes to the resident solver with the device
@@ -257,8 +301,29 @@ fn device_hessians_reach_the_resident_solver() {
     let host_solver = Recording::default();
     let report = run_with(&options, &host_solver, Some(resident.clone()));
     assert_eq!(resident.calls.load(Ordering::SeqCst), report.linears.len());
-    // The solver is told when the next solve reads the same Hessian: q/k/v/z (o_gate) and
-    // gate/up of one layer, one after the other.
+    // The solver is told when the next solve reads the same Hessian.
+    assert_eq!(
+        *resident.read_next.lock().unwrap(),
+        next_reads_same_input(&report)
+    );
+    assert!(
+        host_solver.gptq.borrow().is_empty(),
+        "no Hessian went to the host solver"
+    );
+    assert!(!report.linears.is_empty());
+    for (a, b) in downloaded.linears.iter().zip(&report.linears) {
+        assert_eq!(a.output_error, b.output_error, "{}", a.name);
+        assert_eq!(
+            a.baseline_output_error, b.baseline_output_error,
+            "{}",
+            a.name
+        );
+    }
+}
+
+/// For each linear of `report` (in solve order), whether the next one reads the same input:
+/// q/k/v/z (o_gate) and gate/up of one layer.
+fn next_reads_same_input(report: &SyntheticReport) -> Vec<bool> {
     let input_of = |name: &str| {
         let (layer, linear) = name.split_once(".self_attn.").map_or_else(
             || name.split_once(".mlp.").unwrap(),
@@ -271,21 +336,40 @@ fn device_hessians_reach_the_resident_solver() {
         };
         format!("{layer} {shared}")
     };
-    let expected: Vec<bool> = (0..report.linears.len())
+    let flags: Vec<bool> = (0..report.linears.len())
         .map(|i| {
             let next = report.linears.get(i + 1);
             next.is_some_and(|n| input_of(&n.name) == input_of(&report.linears[i].name))
         })
         .collect();
-    assert_eq!(*resident.read_next.lock().unwrap(), expected);
-    assert!(expected.contains(&true) && expected.contains(&false));
-    assert!(
-        host_solver.gptq.borrow().is_empty(),
-        "no Hessian went to the host solver"
+    assert!(flags.contains(&true) && flags.contains(&false));
+    flags
+}
+
+/// NVFP4 with GPTQ and device statistics: every solve goes to the resident solver with the
+/// device Hessian (told when the next linear reads it too), the baselines' proxy errors are
+/// computed there, and the run quantizes exactly as with the downloaded Hessian.
+#[test]
+fn nvfp4_gptq_on_device_hessians_reaches_the_resident_solver() {
+    let mut options = QuantizeOptions::new(Recipe::Nvfp4);
+    options.device_statistics = true;
+    options.nvfp4_solver = Nvfp4Solver::Gptq;
+    let downloaded = run(&options, &CpuSolver);
+    let resident = Arc::new(DownloadingResident::default());
+    let host_solver = Recording::default();
+    let report = run_with(&options, &host_solver, Some(resident.clone()));
+    assert_eq!(resident.calls.load(Ordering::SeqCst), report.linears.len());
+    assert!(host_solver.nvfp4_gptq.borrow().is_empty());
+    assert!(host_solver.nvfp4.borrow().is_empty());
+    assert_eq!(
+        *resident.read_next.lock().unwrap(),
+        next_reads_same_input(&report)
     );
-    assert!(!report.linears.is_empty());
+    assert_eq!(downloaded.linears.len(), report.linears.len());
     for (a, b) in downloaded.linears.iter().zip(&report.linears) {
         assert_eq!(a.output_error, b.output_error, "{}", a.name);
+        assert_eq!(a.gptq_loss, b.gptq_loss, "{}", a.name);
+        assert!(a.baseline_output_error.is_some(), "{}", a.name);
         assert_eq!(
             a.baseline_output_error, b.baseline_output_error,
             "{}",
