@@ -9,7 +9,7 @@ use sala_hessian::layout::square_to_row_major;
 use sala_hessian::reference::inverse_upper_textbook;
 use sala_hessian::{
     CpuSolver, FaerFactorizer, FailurePolicy, GptqConfig, Hessian, HessianError, IntGrid,
-    LinearSolver, Method, Nvfp4BlockSearch, Nvfp4Gptq, UpperFactorizer,
+    LinearSolver, Method, Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult, UpperFactorizer,
 };
 use sala_kernels::cubecl::prelude::ComputeClient;
 use sala_kernels::{
@@ -236,45 +236,53 @@ fn device_nvfp4_gptq_matches_the_host_loop() {
             steps.iter().any(|(step, _)| *step == "column loop"),
             "{label}: the loop ran on the device ({steps:?})"
         );
-        assert_eq!(gpu.method, Method::Gptq, "{label}");
-        assert_eq!(gpu.global_scale, cpu.global_scale, "{label}");
-        // Summation orders differ: a code at a rounding boundary, or a scale at a tie of the
-        // search, may flip, and its row then takes another path.
-        let differing = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x != y).count();
-        let codes = differing(&gpu.codes, &cpu.codes);
-        let scales = differing(&gpu.block_scales, &cpu.block_scales);
-        assert!(
-            codes * 50 <= gpu.codes.len(),
-            "{label}: {codes} codes differ"
-        );
-        assert!(
-            scales * 50 <= gpu.block_scales.len(),
-            "{label}: {scales} scales differ"
-        );
-        // The dead column (3) is zero in every row.
-        assert!(
-            (0..rows).all(|r| gpu.dequantized[r * cols + 3] == 0.0),
-            "{label}"
-        );
-        assert!(
-            relative(gpu.loss, cpu.loss) < 1e-2,
-            "{label}: loss {} vs {}",
-            gpu.loss,
-            cpu.loss
-        );
-        assert!(
-            relative(gpu.proxy_error, cpu.proxy_error) < 1e-2,
-            "{label}: proxy {} vs {}",
-            gpu.proxy_error,
-            cpu.proxy_error
-        );
-        let host_proxy = sala_hessian::proxy_error(&weights, &gpu.dequantized, cols, &h);
-        assert!(
-            relative(gpu.proxy_error, host_proxy) < 1e-4,
-            "{label}: device proxy {} vs host {host_proxy}",
-            gpu.proxy_error
-        );
+        assert_nvfp4_gptq_close(&gpu, &cpu, &weights, &h, &label);
     }
+}
+
+/// A device GPTQ on the NVFP4 grid against the host's on the same problem (`weights` under
+/// `h`, whose column 3 is dead): summation orders differ, so a code at a rounding boundary or
+/// a scale at a tie of the search may flip and its row take another path; the proxy error is
+/// the host's formula on the device's weights.
+fn assert_nvfp4_gptq_close(
+    gpu: &Nvfp4GptqResult,
+    cpu: &Nvfp4GptqResult,
+    weights: &[f32],
+    h: &Hessian<f64>,
+    label: &str,
+) {
+    let (rows, cols) = (gpu.rows, gpu.cols);
+    assert_eq!(
+        (gpu.method, cpu.method),
+        (Method::Gptq, Method::Gptq),
+        "{label}"
+    );
+    assert_eq!(gpu.damping_retries, cpu.damping_retries, "{label}");
+    assert_eq!(gpu.global_scale, cpu.global_scale, "{label}");
+    let differing = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+    let codes = differing(&gpu.codes, &cpu.codes);
+    let scales = differing(&gpu.block_scales, &cpu.block_scales);
+    assert!(
+        codes * 50 <= gpu.codes.len(),
+        "{label}: {codes} codes differ"
+    );
+    assert!(
+        scales * 50 <= gpu.block_scales.len(),
+        "{label}: {scales} scales differ"
+    );
+    assert!(
+        (0..rows).all(|r| gpu.dequantized[r * cols + 3] == 0.0),
+        "{label}: the dead column is zero"
+    );
+    let (a, b) = (gpu.loss, cpu.loss);
+    assert!(relative(a, b) < 1e-2, "{label}: loss {a} vs {b}");
+    let (a, b) = (gpu.proxy_error, cpu.proxy_error);
+    assert!(relative(a, b) < 2e-2, "{label}: proxy {a} vs {b}");
+    let host = sala_hessian::proxy_error(weights, &gpu.dequantized, cols, h);
+    assert!(
+        relative(a, host) < 1e-4,
+        "{label}: device proxy {a} vs host {host}"
+    );
 }
 
 /// GPTQ on the NVFP4 grid against a Hessian in device memory: the host solver's result up to
@@ -318,29 +326,7 @@ fn resident_nvfp4_gptq_matches_the_host_and_shares_the_factor() {
         let cpu = CpuSolver
             .solve_nvfp4_gptq(&options, w, rows, cols, &h, global)
             .unwrap();
-        assert_eq!(gpu.method, Method::Gptq);
-        assert_eq!(gpu.damping_retries, cpu.damping_retries);
-        let differing = gpu
-            .codes
-            .iter()
-            .zip(&cpu.codes)
-            .filter(|(a, b)| a != b)
-            .count();
-        assert!(
-            differing * 50 <= gpu.codes.len(),
-            "{differing} codes differ"
-        );
-        assert!((0..rows).all(|r| gpu.dequantized[r * cols + 3] == 0.0));
-        assert!(
-            relative(gpu.loss, cpu.loss) < 1e-2,
-            "{} vs {}",
-            gpu.loss,
-            cpu.loss
-        );
-        let host_proxy = sala_hessian::proxy_error(w, &gpu.dequantized, cols, &h);
-        assert!(relative(gpu.proxy_error, host_proxy) < 1e-4);
-        let (a, b) = (gpu.proxy_error, cpu.proxy_error);
-        assert!(relative(a, b) < 2e-2, "proxy {a} vs {b}");
+        assert_nvfp4_gptq_close(gpu, &cpu, w, &h, "resident");
     }
 
     // One factor for both linears, and the same results as alone.
