@@ -328,9 +328,13 @@ fn cuda_solver(
     let client = CudaRuntime::client(&CudaDevice::default());
     let blas = Cublas::new(0).map_err(|e| format!("the GPU solver needs cuBLAS: {e}"))?;
     let lapack = Cusolver::new(0).map_err(|e| format!("the GPU solver needs cuSOLVER: {e}"))?;
-    let gemm = CublasGemm::new(Arc::new(blas), Fp32Math::Pedantic);
+    let blas = Arc::new(blas);
+    // GPTQ's error propagation in full f32; the report's proxy errors on the tensor cores.
+    let gemm = CublasGemm::new(blas.clone(), Fp32Math::Pedantic);
+    let proxy_gemm = CublasGemm::new(blas, Fp32Math::Tf32);
     let factorizer = Arc::new(CusolverFactorizer::new(Arc::new(lapack)));
     Ok(DeviceSolver::new(client, gemm, "cuda")
+        .with_proxy_gemm(proxy_gemm)
         .with_device_factorizer(factorizer)
         .with_transfer(transfer))
 }

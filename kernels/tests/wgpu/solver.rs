@@ -13,7 +13,7 @@ use sala_hessian::{
 };
 use sala_kernels::cubecl::prelude::ComputeClient;
 use sala_kernels::{
-    CubeGemm, DeviceFactorizer, DeviceSolver, KernelError, MatrixView, ResidentHessian,
+    CubeGemm, DeviceFactorizer, DeviceSolver, Gemm, KernelError, MatrixView, ResidentHessian,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -672,6 +672,73 @@ fn linears_of_one_hessian_share_the_damped_factor() {
     }
 }
 
+/// The portable GEMM, counting its calls.
+struct CountedGemm(Arc<AtomicUsize>);
+
+impl Gemm<TestRuntime> for CountedGemm {
+    fn gemm(
+        &self,
+        client: &ComputeClient<TestRuntime>,
+        alpha: f32,
+        a: &MatrixView,
+        trans_a: bool,
+        b: &MatrixView,
+        trans_b: bool,
+        beta: f32,
+        c: &MatrixView,
+    ) -> Result<(), KernelError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        CubeGemm.gemm(client, alpha, a, trans_a, b, trans_b, beta, c)
+    }
+}
+
+/// The proxy errors (GPTQ's and the baseline's) go through the proxy GEMM when one is given,
+/// and nothing else does: the column loop keeps the solver's own.
+#[test]
+fn proxy_errors_use_the_proxy_gemm() {
+    if client().is_none() {
+        return;
+    }
+    // Two lazy blocks of 128: one trailing update in the loop.
+    let (out, inp) = (16, 256);
+    let mut rng = Rng::new(32);
+    let h = on_device(&hessian(&mut rng, inp));
+    let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+    let config = GptqConfig::default();
+    let grid = Some(IntGrid {
+        clip: None,
+        ..config.grid
+    });
+    let counters = || Arc::new(AtomicUsize::new(0));
+    let (alone_calls, loop_calls, proxy_calls) = (counters(), counters(), counters());
+    let alone = DeviceSolver::new(device_client(), CountedGemm(alone_calls.clone()), "one");
+    let split = DeviceSolver::new(device_client(), CountedGemm(loop_calls.clone()), "two")
+        .with_proxy_gemm(CountedGemm(proxy_calls.clone()));
+    let solve = |solver: &DeviceSolver<TestRuntime, CountedGemm>| {
+        solver
+            .solve_gptq_resident_with_baseline(&config, grid, &weights, out, inp, &h)
+            .unwrap()
+    };
+    let (q_alone, base_alone) = solve(&alone);
+    let (q_split, base_split) = solve(&split);
+    assert_eq!(q_alone, q_split);
+    assert_eq!(
+        base_alone.unwrap().proxy_error,
+        base_split.unwrap().proxy_error
+    );
+    assert_eq!(
+        proxy_calls.load(Ordering::SeqCst),
+        2,
+        "GPTQ's and the baseline's"
+    );
+    let (all, looped) = (
+        alone_calls.load(Ordering::SeqCst),
+        loop_calls.load(Ordering::SeqCst),
+    );
+    assert!(looped > 0);
+    assert_eq!(looped + 2, all);
+}
+
 #[test]
 fn resident_gptq_refuses_bad_hessians_by_position() {
     if client().is_none() {
@@ -745,6 +812,58 @@ fn resident_baseline_matches_the_host_round_to_nearest() {
         assert!(
             baseline > q.proxy_error.unwrap(),
             "GPTQ beats round-to-nearest"
+        );
+    }
+}
+
+/// On CUDA: the proxy errors on TF32 tensor cores (the production solver's) against the host's
+/// f64 proxy error, GPTQ's and the baseline's, at a size where the products are large.
+#[cfg(feature = "cuda")]
+mod tf32_proxy {
+    use super::*;
+    use sala_kernels::cuda::{Cublas, CublasGemm, Fp32Math};
+
+    #[test]
+    fn tf32_proxy_errors_match_the_host_f64_ones() {
+        if client().is_none() {
+            return;
+        }
+        let blas = Arc::new(Cublas::new(0).unwrap());
+        let solver = DeviceSolver::new(
+            device_client(),
+            CublasGemm::new(blas.clone(), Fp32Math::Pedantic),
+            "cuda",
+        )
+        .with_proxy_gemm(CublasGemm::new(blas, Fp32Math::Tf32));
+        let (out, inp) = (256, 1024);
+        let mut rng = Rng::new(33);
+        let h = hessian(&mut rng, inp);
+        let weights: Vec<f32> = (0..out * inp).map(|_| 0.1 * rng.normal()).collect();
+        let config = GptqConfig::default();
+        let grid = IntGrid {
+            clip: None,
+            ..config.grid
+        };
+        let (q, baseline) = solver
+            .solve_gptq_resident_with_baseline(
+                &config,
+                Some(grid),
+                &weights,
+                out,
+                inp,
+                &on_device(&h),
+            )
+            .unwrap();
+        let host = sala_hessian::proxy_error(&weights, &q.dequantized, inp, &h);
+        let device = q.proxy_error.unwrap();
+        assert!(relative(device, host) < 1e-3, "GPTQ: {device} vs {host}");
+        let rtn = CpuSolver
+            .quantize_rtn(grid, &weights, out, inp, &h)
+            .unwrap();
+        let (device, host) = (baseline.unwrap().proxy_error, rtn.proxy_error.unwrap());
+        assert!(
+            relative(device, host) < 1e-3,
+            "baseline: {device} vs {host}"
         );
     }
 }
