@@ -164,7 +164,8 @@ impl SearchLaunch {
     }
 
     /// Queues the search of every block of the window `weights` (`cols` a multiple of 16),
-    /// column `j` of the window weighted by `channel_weights[h_offset + j]` (normalized).
+    /// column `j` of the window weighted by `channel_weights[h_offset + j]` (normalized), into
+    /// a new result.
     pub(crate) fn search<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
@@ -172,16 +173,50 @@ impl SearchLaunch {
         channel_weights: &DeviceVec<f32>,
         h_offset: usize,
     ) -> Result<DeviceBlockSearch, KernelError> {
-        let (rows, cols) = (weights.rows, weights.cols);
+        let result = self.result_for(client, weights.rows, weights.cols)?;
+        self.search_into(client, weights, channel_weights, h_offset, &result)?;
+        Ok(result)
+    }
+
+    /// A zeroed result for a `rows × cols` window, for [`search_into`](Self::search_into).
+    pub(crate) fn result_for<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<DeviceBlockSearch, KernelError> {
         let blocks = rows * cols / NVFP4_BLOCK;
-        let result = DeviceBlockSearch {
+        Ok(DeviceBlockSearch {
             rows,
             cols,
             global_scale: self.global_scale,
             block_scales: DeviceVec::zeros(client, blocks)?,
             block_error: DeviceVec::zeros(client, blocks)?,
             codes: DeviceVec::zeros(client, rows * cols)?,
-        };
+        })
+    }
+
+    /// [`search`](Self::search) into `result`, a result of the window's shape whose every
+    /// element the search overwrites (a loop that searches many windows allocates it once).
+    pub(crate) fn search_into<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        weights: &MatrixView,
+        channel_weights: &DeviceVec<f32>,
+        h_offset: usize,
+        result: &DeviceBlockSearch,
+    ) -> Result<(), KernelError> {
+        let (rows, cols) = (weights.rows, weights.cols);
+        if (result.rows, result.cols) != (rows, cols) {
+            return Err(KernelError::shape(
+                "nvfp4 block search",
+                format!(
+                    "a {rows}×{cols} window into a {}×{} result",
+                    result.rows, result.cols
+                ),
+            ));
+        }
+        let blocks = rows * cols / NVFP4_BLOCK;
         let (count, dim) = elementwise(client, blocks)?;
         block_search_kernel::launch::<R>(
             client,
@@ -207,7 +242,7 @@ impl SearchLaunch {
                 f32::INFINITY,
             ),
         );
-        Ok(result)
+        Ok(())
     }
 }
 

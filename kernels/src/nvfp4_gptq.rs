@@ -111,13 +111,15 @@ pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
     let errors = MatrixView::zeros(client, rows, cols)?;
     let channel_weights = DeviceVec::upload(client, channel_weights);
     let searching = SearchLaunch::new(client, search, global_scale);
+    // One search result, rewritten by each block's search (the launches run in order).
+    let found = searching.result_for(client, rows, NVFP4_BLOCK)?;
     let (count, dim) = elementwise(client, rows)?;
     let mut b0 = 0;
     while b0 < cols {
         let b1 = (b0 + block).min(cols);
         for c0 in (b0..b1).step_by(NVFP4_BLOCK) {
             let window = w.window(0, c0, rows, NVFP4_BLOCK)?;
-            let found = searching.search(client, &window, &channel_weights, c0)?;
+            searching.search_into(client, &window, &channel_weights, c0, &found)?;
             nvfp4_gptq_block_kernel::launch::<R>(
                 client,
                 count.clone(),
