@@ -39,6 +39,12 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     ap.add_argument("--gar", action="store_true", help="GPTQModel's default act_group_aware reordering")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument(
+        "--gptaq",
+        type=float,
+        metavar="ALPHA",
+        help="asymmetric calibration (GPTQModel's GPTAQConfig, alpha 0.25 recommended)",
+    )
     args = ap.parse_args()
 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(args.threads))
@@ -57,6 +63,12 @@ def main() -> int:
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     import gptqmodel
 
+    gptaq = None
+    if args.gptaq is not None:
+        from gptqmodel.quantization.config import GPTAQConfig
+
+        gptaq = GPTAQConfig(alpha=args.gptaq, device="cpu")
+
     import_s = time.perf_counter() - t_import
 
     qcfg = QuantizeConfig(
@@ -67,6 +79,7 @@ def main() -> int:
         act_group_aware=args.gar,
         offload_to_disk=False,
         device="cpu",
+        gptaq=gptaq,
     )
     t0 = time.perf_counter()
     model = GPTQModel.load(str(args.model), qcfg, dtype=torch.bfloat16)
@@ -98,6 +111,7 @@ def main() -> int:
             "damp_auto_increment": qcfg.damp_auto_increment,
             "mse": getattr(qcfg, "mse", None),
             "true_sequential": qcfg.true_sequential,
+            "gptaq_alpha": args.gptaq,
         },
         "calibration": {"windows": len(windows), "tokens": sum(len(w) for w in windows)},
         "seconds": {
