@@ -99,7 +99,10 @@ impl Drop for Cublas {
     }
 }
 
-fn blas_error(what: &'static str) -> impl Fn(cudarc::cublas::result::CublasError) -> KernelError {
+/// Maps a cuBLAS status to [`KernelError::Launch`] naming the call.
+pub(super) fn blas_error(
+    what: &'static str,
+) -> impl Fn(cudarc::cublas::result::CublasError) -> KernelError {
     move |e| KernelError::Launch {
         what,
         message: format!("{e:?}"),

@@ -14,24 +14,34 @@
 //! the buffer once more gives row-major `U = P·L⁻¹·P`; the other triangle of the buffer holds
 //! what cuSOLVER did not touch (the reversed input), so the strict lower triangle of the result
 //! is set to zero in the same pass.
+//!
+//! The triangular inverse is blocked: cuSOLVER's `trtri` ran at 6.5 TFLOP/s on a 16384-wide
+//! factor (150 ms, against 58 ms for `potrf`). Above [`TRTRI_BLOCK`] columns the inverse of
+//! `R = [R₁₁ R₁₂; 0 R₂₂]` is `[X₁₁ −X₁₁·R₁₂·X₂₂; 0 X₂₂]` with `X₁₁`, `X₂₂` the inverses of the
+//! diagonal blocks (recursively): the off-diagonal block takes two triangular products (cuBLAS
+//! `trmm`, in place), which run at the matrix-product rate.
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
+use cudarc::cublas::sys as blas;
 use cudarc::cusolver::sys::{self, cublasDiagType_t, cublasFillMode_t, cudaDataType};
 use std::sync::Arc;
 
+use super::blas::blas_error;
 use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
 use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::flip::reversed;
 use crate::solver::DeviceFactorizer;
 
-/// A cuSOLVER dense handle bound to its own stream on the device's primary context.
+/// A cuSOLVER dense handle bound to its own stream on the device's primary context, with a
+/// cuBLAS handle on the same stream (the blocked triangular inverse's products).
 #[derive(Debug)]
 pub struct Cusolver {
     lib: LibStream,
     handle: sys::cusolverDnHandle_t,
+    blas: blas::cublasHandle_t,
 }
 
 // SAFETY: as for `Cublas`: calls take `&self` and finish before returning; the handle is
@@ -45,17 +55,32 @@ impl Cusolver {
     /// loaded) and creates a handle on a new stream of device `ordinal`.
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
         libs::require("cusolver", "inverse_upper_cusolver")?;
+        libs::require("cublas", "inverse_upper_cusolver")?;
         guarded("cuSOLVER handle", || {
             let lib = LibStream::new(ordinal)?;
             lib.bind()?;
             let handle =
                 cudarc::cusolver::result::dn_create().map_err(solver_error("cusolverDnCreate"))?;
-            // SAFETY: the handle was just created; the stream belongs to the same context.
+            let blas = match cudarc::cublas::result::create_handle() {
+                Ok(blas) => blas,
+                Err(e) => {
+                    // SAFETY: created above, destroyed once.
+                    unsafe {
+                        let _ = cudarc::cusolver::result::dn_destroy(handle);
+                    }
+                    return Err(blas_error("cublasCreate")(e));
+                }
+            };
+            let solver = Self { lib, handle, blas };
+            let stream = solver.lib.stream().cu_stream();
+            // SAFETY: the handles were just created; the stream belongs to the same context.
             unsafe {
-                cudarc::cusolver::result::dn_set_stream(handle, lib.stream().cu_stream() as _)
+                cudarc::cusolver::result::dn_set_stream(solver.handle, stream as _)
                     .map_err(solver_error("cusolverDnSetStream"))?;
+                cudarc::cublas::result::set_stream(solver.blas, stream as _)
+                    .map_err(blas_error("cublasSetStream"))?;
             }
-            Ok(Self { lib, handle })
+            Ok(solver)
         })
     }
 }
@@ -65,6 +90,7 @@ impl Drop for Cusolver {
         // SAFETY: created in `new`, destroyed once; errors at teardown are ignored.
         unsafe {
             let _ = cudarc::cusolver::result::dn_destroy(self.handle);
+            let _ = cudarc::cublas::result::destroy_handle(self.blas);
         }
     }
 }
@@ -210,19 +236,130 @@ pub fn inverse_upper_cusolver_timed(
     drop(workspace);
     timings.potrf_s = lap();
 
-    // trtri (column-major UPPER, non-unit diagonal), in place.
+    // The inverse of the factor (column-major UPPER, non-unit diagonal), in place.
+    let factor = UpperFactor {
+        ptr: work_ptr,
+        lda: n,
+    };
+    invert_upper(client, solver, &factor, &info, 0, n)?;
+    timings.trtri_s = lap();
+    let u = reversed(client, &work, true)?;
+    sync_client(client)?;
+    timings.finish_s = lap();
+    Ok((u, timings))
+}
+
+/// Diagonal blocks up to this many columns are inverted by cuSOLVER's `trtri`; larger ones are
+/// split in two (module docs).
+const TRTRI_BLOCK: usize = 1024;
+
+/// A column-major upper triangular `lda × lda` f32 matrix at device address `ptr`.
+struct UpperFactor {
+    ptr: u64,
+    lda: usize,
+}
+
+impl UpperFactor {
+    /// The device address of element `(row, col)`.
+    fn at(&self, row: usize, col: usize) -> u64 {
+        self.ptr + ((row + col * self.lda) * std::mem::size_of::<f32>()) as u64
+    }
+}
+
+/// Inverts, in place, the diagonal block of `r` that starts at `(start, start)` and spans
+/// `m` columns (module docs): `trtri` up to [`TRTRI_BLOCK`] columns, else both halves
+/// recursively and the off-diagonal block by two `trmm`. `info` is `trtri`'s scratch.
+fn invert_upper(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    r: &UpperFactor,
+    info: &DeviceVec<u32>,
+    start: usize,
+    m: usize,
+) -> Result<(), KernelError> {
+    if m <= TRTRI_BLOCK {
+        return trtri_block(client, solver, r, info, start, m);
+    }
+    // The first half a multiple of 64 columns, so that the products' blocks stay aligned.
+    let m1 = (m / 2).div_ceil(64) * 64;
+    let m2 = m - m1;
+    let (second, lda) = (start + m1, dim_i32("inverse lda", r.lda)?);
+    invert_upper(client, solver, r, info, start, m1)?;
+    invert_upper(client, solver, r, info, second, m2)?;
+    let (m1_i32, m2_i32) = (dim_i32("inverse block", m1)?, dim_i32("inverse block", m2)?);
+    let r12 = r.at(start, second) as *mut f32;
+    // R₁₂ ← R₁₂·X₂₂, then R₁₂ ← −X₁₁·R₁₂ (cuBLAS's trmm may write in place, C = B).
+    let (one, minus_one) = (1.0f32, -1.0f32);
+    blas_call("cublasStrmm (right)", || {
+        // SAFETY: `r` addresses lda × lda f32 of a live buffer; the blocks lie inside it and
+        // the scalars outlive the call, synchronized below.
+        unsafe {
+            blas::cublasStrmm_v2(
+                solver.blas,
+                blas::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
+                blas::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                blas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                m1_i32,
+                m2_i32,
+                &one,
+                r.at(second, second) as *const f32,
+                lda,
+                r12,
+                lda,
+                r12,
+                lda,
+            )
+        }
+    })?;
+    blas_call("cublasStrmm (left)", || {
+        // SAFETY: as above.
+        unsafe {
+            blas::cublasStrmm_v2(
+                solver.blas,
+                blas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                blas::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                blas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                m1_i32,
+                m2_i32,
+                &minus_one,
+                r.at(start, start) as *const f32,
+                lda,
+                r12,
+                lda,
+                r12,
+                lda,
+            )
+        }
+    })?;
+    solver.lib.synchronize("cublasStrmm")
+}
+
+/// `trtri` on the diagonal block of `r` at `(start, start)`, `m` columns, in place.
+fn trtri_block(
+    client: &ComputeClient<CudaRuntime>,
+    solver: &Cusolver,
+    r: &UpperFactor,
+    info: &DeviceVec<u32>,
+    start: usize,
+    m: usize,
+) -> Result<(), KernelError> {
+    let block = r.at(start, start);
+    let info_ptr = handle_ptr(client, &info.handle)?;
     let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
     call("cusolverDnXtrtri_bufferSize", || {
-        // SAFETY: as above; the sizes are written to two host integers.
+        // SAFETY: `block` addresses an m × m block (leading dimension lda) of a live buffer;
+        // the sizes are written to two host integers.
         unsafe {
             sys::cusolverDnXtrtri_bufferSize(
                 solver.handle,
                 cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
                 cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                n as i64,
+                m as i64,
                 cudaDataType::CUDA_R_32F,
-                work_ptr as *mut _,
-                n as i64,
+                block as *mut _,
+                r.lda as i64,
                 &mut dev_bytes,
                 &mut host_bytes,
             )
@@ -238,10 +375,10 @@ pub fn inverse_upper_cusolver_timed(
                 solver.handle,
                 cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
                 cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                n as i64,
+                m as i64,
                 cudaDataType::CUDA_R_32F,
-                work_ptr as *mut _,
-                n as i64,
+                block as *mut _,
+                r.lda as i64,
                 dev_workspace_ptr as *mut _,
                 dev_bytes,
                 host_workspace.as_mut_ptr().cast(),
@@ -250,19 +387,27 @@ pub fn inverse_upper_cusolver_timed(
             )
         }
     })?;
-    let trtri_info = finished_info(client, solver, &info, "cusolverDnXtrtri")?;
+    let trtri_info = finished_info(client, solver, info, "cusolverDnXtrtri")?;
+    drop(dev_workspace);
     if trtri_info > 0 {
         return Err(KernelError::unsupported(
             "triangular inverse",
-            format!("trtri: zero diagonal at position {trtri_info} of the factor"),
+            format!(
+                "trtri: zero diagonal at position {} of the factor",
+                start + trtri_info as usize
+            ),
         ));
     }
-    drop(dev_workspace);
-    timings.trtri_s = lap();
-    let u = reversed(client, &work, true)?;
-    sync_client(client)?;
-    timings.finish_s = lap();
-    Ok((u, timings))
+    Ok(())
+}
+
+/// One cuBLAS call `what`: a panic inside it and a status other than success both become
+/// errors naming the call.
+fn blas_call(
+    what: &'static str,
+    f: impl FnOnce() -> blas::cublasStatus_t,
+) -> Result<(), KernelError> {
+    guarded(what, || f().result().map_err(blas_error(what)))
 }
 
 /// Makes what CubeCL queued (kernels, and the stream-ordered allocations behind the pointers

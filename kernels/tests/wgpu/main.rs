@@ -7,6 +7,8 @@
 mod attention;
 mod block_search;
 mod common;
+#[cfg(feature = "cuda")]
+mod cusolver;
 mod flash_attention;
 mod flip;
 mod gates;
