@@ -287,53 +287,64 @@ fn invert_upper(
     invert_upper(client, solver, r, info, start, m1)?;
     invert_upper(client, solver, r, info, second, m2)?;
     let (m1_i32, m2_i32) = (dim_i32("inverse block", m1)?, dim_i32("inverse block", m2)?);
-    let r12 = r.at(start, second) as *mut f32;
-    // R₁₂ ← R₁₂·X₂₂, then R₁₂ ← −X₁₁·R₁₂ (cuBLAS's trmm may write in place, C = B).
-    let (one, minus_one) = (1.0f32, -1.0f32);
-    blas_call("cublasStrmm (right)", || {
-        // SAFETY: `r` addresses lda × lda f32 of a live buffer; the blocks lie inside it and
-        // the scalars outlive the call, synchronized below.
-        unsafe {
-            blas::cublasStrmm_v2(
-                solver.blas,
-                blas::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
-                blas::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                blas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                m1_i32,
-                m2_i32,
-                &one,
-                r.at(second, second) as *const f32,
-                lda,
-                r12,
-                lda,
-                r12,
-                lda,
-            )
-        }
-    })?;
-    blas_call("cublasStrmm (left)", || {
-        // SAFETY: as above.
-        unsafe {
-            blas::cublasStrmm_v2(
-                solver.blas,
-                blas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
-                blas::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                blas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                m1_i32,
-                m2_i32,
-                &minus_one,
-                r.at(start, start) as *const f32,
-                lda,
-                r12,
-                lda,
-                r12,
-                lda,
-            )
-        }
-    })?;
+    let r12 = r.at(start, second);
+    // R₁₂ ← R₁₂·X₂₂, then R₁₂ ← −X₁₁·R₁₂.
+    let block = (r12, m1_i32, m2_i32, lda);
+    trmm_in_place(solver, Side::Right, 1.0, r.at(second, second), block)?;
+    trmm_in_place(solver, Side::Left, -1.0, r.at(start, start), block)?;
     solver.lib.synchronize("cublasStrmm")
+}
+
+/// Which side of the block [`trmm_in_place`] multiplies the triangle on.
+#[derive(Clone, Copy)]
+enum Side {
+    Left,
+    Right,
+}
+
+/// `B ← alpha·T·B` (`Side::Left`) or `B ← alpha·B·T` (`Side::Right`) with `T` the upper
+/// triangle (non-unit diagonal) at device address `triangle`, and `B` the `(ptr, rows, cols,
+/// lda)` column-major block, on the solver's stream. cuBLAS's `trmm` is out of place and
+/// writes in place when `C = B`.
+fn trmm_in_place(
+    solver: &Cusolver,
+    side: Side,
+    alpha: f32,
+    triangle: u64,
+    (b, rows, cols, lda): (u64, i32, i32, i32),
+) -> Result<(), KernelError> {
+    let (mode, what) = match side {
+        Side::Left => (
+            blas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+            "cublasStrmm (left)",
+        ),
+        Side::Right => (
+            blas::cublasSideMode_t::CUBLAS_SIDE_RIGHT,
+            "cublasStrmm (right)",
+        ),
+    };
+    blas_call(what, || {
+        // SAFETY: the caller's triangle and block lie inside one live buffer of the solver's
+        // device; `alpha` outlives the call, which the caller synchronizes.
+        unsafe {
+            blas::cublasStrmm_v2(
+                solver.blas,
+                mode,
+                blas::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                blas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                rows,
+                cols,
+                &alpha,
+                triangle as *const f32,
+                lda,
+                b as *const f32,
+                lda,
+                b as *mut f32,
+                lda,
+            )
+        }
+    })
 }
 
 /// `trtri` on the diagonal block of `r` at `(start, start)`, `m` columns, in place.
