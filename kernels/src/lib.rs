@@ -9,7 +9,8 @@
 //! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]), norms
 //!   ([`gates::rms_norm`], the per-head [`gates::rms_norm_rope`]) and the scaled residual, with
 //!   the bf16 rounding points of the unfused chain;
-//! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]);
+//! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]), and how a symmetric product splits
+//!   into block GEMMs ([`xtx_lower_blocks`]);
 //! - [`hessian_ops`]: what GPTQ reads of a Hessian that stays on the device (diagonal,
 //!   finiteness, the damped permuted copy, the proxy error's row dots);
 //! - [`gptq`]: the GPTQ lazy-block solve ([`gptq_solve`]);
@@ -64,7 +65,7 @@ pub use flash_attention::{flash_attention_bf16, flash_attention_supported, Flash
 pub use gemm::{CubeGemm, Gemm};
 pub use gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GlaTiling};
 pub use gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult};
-pub use hessian::accumulate_xtx;
+pub use hessian::{accumulate_xtx, xtx_lower_blocks, XtxBlocking, XtxBlocks};
 pub use nvfp4_gptq::{nvfp4_gptq_solve, DeviceNvfp4Gptq};
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
 pub use solver::{DeviceFactorizer, DeviceSolver, ResidentHessian, RtnBaseline, Transfer};

@@ -11,6 +11,10 @@
 //! H = XᵀX/tokens, the weight W `[out, in]` f32; then
 //! - `hessian_cublas_bf16` (`xtx_bf16`) and `hessian_cubecl_f32` (`accumulate_xtx` on
 //!   `CubeGemm`, checked against cuBLAS), TFLOP/s = 2·tokens·in²/t;
+//! - `hessian_sym_BLOCK_{single,batched}` (`xtx_runs_bf16_blocked`: the symmetric product's
+//!   lower blocks, one GEMM each or one strided-batched GEMM per block diagonal, for blocks
+//!   of 2048, 1024 and 512), TFLOP/s of the full product's FLOP (so that they compare by
+//!   time), the fraction of it done and the difference to `hessian_cublas_bf16`;
 //! - `inverse_cusolver` and `inverse_faer_cpu` (H + 1% mean-diagonal damping), check
 //!   max|U_gpu − U_cpu| / max|U|;
 //! - `gptq_cublas`, `gptq_cubecl` (the solve given U) and `*_total` (with the inverse): INT4
@@ -27,6 +31,7 @@
 //! `bench/torch_gptq.py` (safetensors + manifest.json), `--json` the results for
 //! `bench/compare.py`. `--cpu-only` runs the CPU stages alone (no GPU needed: to test the
 //! inputs and files on a small `--shapes`). `--skip` takes stage names: selftest, hessian,
+//! hessian_blocks,
 //! inverse, inverse_cpu, gptq_cublas, gptq_cubecl, gptq_cpu, nvfp4, nvfp4_cpu, nvfp4_gptq.
 //! The self-tests (first) check both GEMMs on strided windows in every transpose combination,
 //! the bf16 XᵀX and the cuSOLVER factor on small problems against f64 references.

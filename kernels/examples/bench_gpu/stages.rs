@@ -12,11 +12,12 @@ use sala_hessian::{
 };
 use sala_kernels::cuda::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, library_report, sync_client, xtx_bf16,
-    Bf16Matrix, Cublas, CublasGemm, Cusolver, Fp32Math, LibraryStatus,
+    xtx_runs_bf16_blocked, Bf16Matrix, Cublas, CublasGemm, Cusolver, Fp32Math, LibraryStatus,
+    XtxBlocking, XtxRun, XTX_BLOCK,
 };
 use sala_kernels::{
-    accumulate_xtx, gptq_solve, nvfp4_block_search, nvfp4_gptq_solve, CubeGemm, DeviceGptqConfig,
-    DeviceGptqResult, MatrixView,
+    accumulate_xtx, gptq_solve, nvfp4_block_search, nvfp4_gptq_solve, xtx_lower_blocks, CubeGemm,
+    DeviceGptqConfig, DeviceGptqResult, MatrixView,
 };
 
 use crate::data::{self, Tensor, TensorData};
@@ -417,6 +418,13 @@ fn hessian_stages(
             Ok(row)
         }));
     }
+    if let (Some(gpu), true) = (gpu, args.runs("hessian_blocks")) {
+        for (name, blocking) in HESSIAN_BLOCKINGS {
+            rows.push(stage(name, || {
+                hessian_blocks(args, gpu, x, inp, name, blocking, h_blas.as_deref())
+            }));
+        }
+    }
     if let Some(h) = h_blas.or(h_cube) {
         return Some(h);
     }
@@ -439,6 +447,68 @@ fn hessian_stages(
         Ok(Row::timed("hessian_faer_cpu", &t).flops(flops))
     }));
     h_cpu
+}
+
+/// The blockings of the symmetric Hessian `hessian_blocks` compares, by stage name: the
+/// engine's default first.
+const HESSIAN_BLOCKINGS: [(&str, XtxBlocking); 4] = [
+    ("hessian_sym_2048_single", blocking(XTX_BLOCK, false)),
+    ("hessian_sym_2048_batched", blocking(XTX_BLOCK, true)),
+    ("hessian_sym_1024_batched", blocking(1024, true)),
+    ("hessian_sym_512_batched", blocking(512, true)),
+];
+
+const fn blocking(block: usize, batched: bool) -> XtxBlocking {
+    XtxBlocking { block, batched }
+}
+
+/// `xtx_runs_bf16_blocked` over one run of all tokens (weight `1/tokens`) into zeros, checked
+/// against the full product `h_full` when there is one. TFLOP/s counts the full product's
+/// `2·tokens·in²`, so that blockings compare by time; `product_fraction` is the work done.
+fn hessian_blocks(
+    args: &Args,
+    gpu: &Gpu,
+    x: &[u16],
+    inp: usize,
+    name: &'static str,
+    blocking: XtxBlocking,
+    h_full: Option<&[f32]>,
+) -> Stage<Row> {
+    let blas = gpu.blas()?;
+    let tokens = args.tokens;
+    let xd = Bf16Matrix::upload(&gpu.client, x, tokens, inp).map_err(msg)?;
+    let h = MatrixView::zeros(&gpu.client, inp, inp).map_err(msg)?;
+    let runs = [XtxRun {
+        first_row: 0,
+        rows: tokens,
+        weight: 1.0 / tokens as f32,
+    }];
+    let product = || xtx_runs_bf16_blocked(&gpu.client, blas, &xd, &runs, &h, blocking);
+    // The first product into zeros is the result to check; the timed ones accumulate on it.
+    product().map_err(msg)?;
+    let first = h.download(&gpu.client).map_err(msg)?;
+    let (t, ()) = time_it(
+        0,
+        args.reps,
+        &|| gpu.sync(),
+        || Ok(()),
+        |()| product().map_err(msg),
+    )?;
+    let lower: usize = xtx_lower_blocks(inp, blocking)
+        .iter()
+        .map(|g| g.count * g.rows * g.cols)
+        .sum();
+    let mut row = Row::timed(name, &t)
+        .flops(2.0 * tokens as f64 * (inp * inp) as f64)
+        .extra(
+            "product_fraction",
+            Json::Num(lower as f64 / (inp * inp) as f64),
+        );
+    if let Some(full) = h_full {
+        let rel = max_rel_diff(first.iter().copied(), full.iter().copied());
+        row = row.extra("vs_full_max_rel", Json::Num(rel));
+    }
+    Ok(row)
 }
 
 // ---------------------------------------------------------------------------------------------

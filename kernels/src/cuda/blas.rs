@@ -19,6 +19,7 @@ use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStre
 use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::gemm::{check_gemm_shapes, Gemm};
+use crate::hessian::{xtx_lower_blocks, XtxBlocking};
 
 /// How cuBLAS may compute an FP32 product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -174,6 +175,48 @@ impl GemmExCall {
         }
         .map_err(blas_error("cublasGemmEx"))
     }
+
+    /// This call for `count` operand sets, each `strides` elements (`x1`, `x2`, `c`) after
+    /// the last: one `cublasGemmStridedBatchedEx`.
+    fn launch_strided_batched(
+        &self,
+        handle: sys::cublasHandle_t,
+        count: usize,
+        (stride1, stride2, stride_c): (i64, i64, i64),
+    ) -> Result<(), KernelError> {
+        let count = dim_i32("gemm batch", count)?;
+        // SAFETY: as in `launch`; the caller checked that every batch member's window lies in
+        // its buffer (the blocks of `xtx_lower_blocks` stay inside `[dim, dim]`).
+        unsafe {
+            sys::cublasGemmStridedBatchedEx(
+                handle,
+                self.op1,
+                self.op2,
+                self.m,
+                self.n,
+                self.k,
+                (&self.alpha as *const f32).cast(),
+                self.x1.0 as *const _,
+                self.x1.2,
+                self.x1.1,
+                stride1,
+                self.x2.0 as *const _,
+                self.x2.2,
+                self.x2.1,
+                stride2,
+                (&self.beta as *const f32).cast(),
+                self.c.0 as *mut _,
+                self.c.2,
+                self.c.1,
+                stride_c,
+                count,
+                self.compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .map_err(blas_error("cublasGemmStridedBatchedEx"))
+    }
 }
 
 fn op(trans: bool) -> cublasOperation_t {
@@ -326,13 +369,9 @@ pub struct XtxRun {
     pub weight: f32,
 }
 
-/// Columns (and rows) per block of [`xtx_runs_bf16`]: blocks of 2048 keep every GEMM large
-/// enough for cuBLAS's best kernels (`2048 × 2048 × tokens`).
-pub const XTX_BLOCK: usize = 2048;
-
 /// `h ← h + Σ_r weight_r · X_rᵀX_r` over the `runs` of rows of the bf16 activations `x`
 /// `[tokens, dim]`, into the f32 window `h` `[dim, dim]`, using the symmetry: only the blocks
-/// (of [`XTX_BLOCK`]) on and below the block diagonal are multiplied (`cublasGemmEx`, bf16
+/// (of [`XTX_BLOCK`](crate::hessian::XTX_BLOCK)) on and below the block diagonal are multiplied (`cublasGemmEx`, bf16
 /// inputs, f32 compute, as [`xtx_bf16`]), then each block below is copied, transposed, above
 /// (`cublasSgeam`). For `n` blocks that is `(n + 1) / 2n` of the full product's work, and the
 /// result is exactly symmetric. All products run in one library call (one host sync).
@@ -342,6 +381,20 @@ pub fn xtx_runs_bf16(
     x: &Bf16Matrix,
     runs: &[XtxRun],
     h: &MatrixView,
+) -> Result<(), KernelError> {
+    xtx_runs_bf16_blocked(client, blas, x, runs, h, XtxBlocking::default())
+}
+
+/// [`xtx_runs_bf16`] with the blocks of `blocking` ([`xtx_lower_blocks`]): with
+/// `blocking.batched`, the whole blocks of each block diagonal are one
+/// `cublasGemmStridedBatchedEx`, so that small blocks (less work) still make large calls.
+pub fn xtx_runs_bf16_blocked(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    x: &Bf16Matrix,
+    runs: &[XtxRun],
+    h: &MatrixView,
+    blocking: XtxBlocking,
 ) -> Result<(), KernelError> {
     let (tokens, dim) = check_xtx_operands(x, h)?;
     if let Some(r) = runs.iter().find(|r| r.first_row + r.rows > tokens) {
@@ -357,10 +410,7 @@ pub fn xtx_runs_bf16(
     if dim == 0 || runs.iter().all(|r| r.rows == 0) {
         return Ok(());
     }
-    let blocks: Vec<(usize, usize)> = (0..dim)
-        .step_by(XTX_BLOCK)
-        .map(|b| (b, XTX_BLOCK.min(dim - b)))
-        .collect();
+    let groups = xtx_lower_blocks(dim, blocking);
     let x_ptr = handle_ptr(client, &x.handle)?;
     let h_ptr = device_ptr(client, h)?;
     let stride = ld(h)?;
@@ -369,41 +419,50 @@ pub fn xtx_runs_bf16(
     let mut products = Vec::new();
     for run in runs.iter().filter(|r| r.rows > 0) {
         let first = x_ptr + (run.first_row * dim * 2) as u64;
-        for (i, &(i0, ni)) in blocks.iter().enumerate() {
-            for &(j0, nj) in &blocks[..=i] {
-                // Column-major, Y = Xᵀ (dim × rows): C = Y_j·Y_iᵀ is the row-major block at
-                // (rows i, columns j) of XᵀX.
-                products.push(GemmExCall {
-                    op1: cublasOperation_t::CUBLAS_OP_N,
-                    op2: cublasOperation_t::CUBLAS_OP_T,
-                    m: dim_i32("xtx block", nj)?,
-                    n: dim_i32("xtx block", ni)?,
-                    k: dim_i32("xtx tokens", run.rows)?,
-                    x1: (first + (j0 * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
-                    x2: (first + (i0 * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
-                    c: (at(i0, j0), stride, cudaDataType::CUDA_R_32F),
-                    alpha: run.weight,
-                    beta: 1.0,
-                    compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                });
-            }
+        for g in &groups {
+            // Column-major, Y = Xᵀ (dim × rows): C = Y_j·Y_iᵀ is the row-major block at
+            // (rows i, columns j) of XᵀX.
+            let call = GemmExCall {
+                op1: cublasOperation_t::CUBLAS_OP_N,
+                op2: cublasOperation_t::CUBLAS_OP_T,
+                m: dim_i32("xtx block", g.cols)?,
+                n: dim_i32("xtx block", g.rows)?,
+                k: dim_i32("xtx tokens", run.rows)?,
+                x1: (first + (g.col * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
+                x2: (first + (g.row * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
+                c: (at(g.row, g.col), stride, cudaDataType::CUDA_R_32F),
+                alpha: run.weight,
+                beta: 1.0,
+                compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            };
+            // Block k + 1 starts `step` columns of x (both operands) and `step` rows and
+            // columns of h after block k.
+            let strides = (
+                g.step as i64,
+                g.step as i64,
+                (g.step * (h.row_stride + 1)) as i64,
+            );
+            products.push((call, g.count, strides));
         }
     }
     // Block (j, i) above the diagonal is the transpose of block (i, j) below it.
     let mut mirrors = Vec::new();
-    for (i, &(i0, ni)) in blocks.iter().enumerate() {
-        for &(j0, nj) in &blocks[..i] {
+    for g in &groups {
+        for (i0, j0) in g.origins().filter(|&(i0, j0)| i0 != j0) {
             mirrors.push((
                 at(i0, j0),
                 at(j0, i0),
-                dim_i32("xtx block", ni)?,
-                dim_i32("xtx block", nj)?,
+                dim_i32("xtx block", g.rows)?,
+                dim_i32("xtx block", g.cols)?,
             ));
         }
     }
     blas.run(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)", |handle| {
-        for call in &products {
-            call.launch(handle)?;
+        for (call, count, strides) in &products {
+            match count {
+                1 => call.launch(handle)?,
+                _ => call.launch_strided_batched(handle, *count, *strides)?,
+            }
         }
         let (one, zero) = (1.0f32, 0.0f32);
         for &(below, above, m, n) in &mirrors {

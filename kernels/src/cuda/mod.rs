@@ -33,13 +33,14 @@ mod libs;
 mod solver;
 mod transfer;
 
+pub use crate::hessian::{XtxBlocking, XTX_BLOCK};
 pub use attention::{
     attention_blocking, blocked_causal_attention_bf16, AttentionBlocking, MAX_BLOCK, MIN_BLOCK,
     SCORE_BUDGET_BYTES,
 };
 pub use blas::{
-    linear_bf16, xtx_bf16, xtx_runs_bf16, Bf16Matrix, Cublas, CublasGemm, Fp32Math, LinearShape,
-    XtxRun, XTX_BLOCK,
+    linear_bf16, xtx_bf16, xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas, CublasGemm,
+    Fp32Math, LinearShape, XtxRun,
 };
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};

@@ -2,7 +2,7 @@
 
 use sala_hessian::reference::hessian_naive;
 use sala_hessian::Normalization;
-use sala_kernels::hessian::{accumulate_xtx, normalization_weight};
+use sala_kernels::hessian::{accumulate_xtx, normalization_weight, xtx_lower_blocks, XtxBlocking};
 use sala_kernels::{CubeGemm, KernelError, MatrixView};
 
 use crate::common::{client, max_rel_diff, Rng};
@@ -54,31 +54,145 @@ fn accumulate_xtx_checks_shapes() {
     assert!(matches!(err, KernelError::Shape { .. }), "{err}");
 }
 
+/// Every entry of a `[dim, dim]` product is computed once (a block on or below the block
+/// diagonal) or mirrored once (from a block strictly below it), for both groupings; batched
+/// groups hold equal whole blocks along one block diagonal.
+#[test]
+fn lower_blocks_cover_the_product_once() {
+    for dim in [1, 5, 64, 100, 256, 300, 513] {
+        for block in [1, 16, 64, 100, 256] {
+            for batched in [false, true] {
+                let blocking = XtxBlocking { block, batched };
+                let groups = xtx_lower_blocks(dim, blocking);
+                let mut seen = vec![0u8; dim * dim];
+                for g in &groups {
+                    assert!(g.count >= 1, "{blocking:?} dim {dim}: {g:?}");
+                    if g.count > 1 {
+                        assert_eq!((g.rows, g.cols, g.step), (block, block, block), "{g:?}");
+                    }
+                    for (r0, c0) in g.origins() {
+                        assert!(r0 >= c0, "{blocking:?} dim {dim}: block at ({r0}, {c0})");
+                        assert!(r0 + g.rows <= dim && c0 + g.cols <= dim, "{g:?} past {dim}");
+                        for r in r0..r0 + g.rows {
+                            for c in c0..c0 + g.cols {
+                                seen[r * dim + c] += 1;
+                                if r0 != c0 {
+                                    seen[c * dim + r] += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+                let wrong = seen.iter().position(|&n| n != 1);
+                assert_eq!(
+                    wrong,
+                    None,
+                    "{blocking:?} dim {dim}: entry covered {:?}",
+                    wrong.map(|e| seen[e])
+                );
+            }
+        }
+    }
+}
+
+/// Batching shrinks no block: the batched grouping has the same blocks as one GEMM each,
+/// and its calls are one per block diagonal plus the ragged last row.
+#[test]
+fn batched_blocks_are_the_single_blocks_grouped_by_diagonal() {
+    let blocks = |batched| {
+        let mut all: Vec<(usize, usize, usize, usize)> =
+            xtx_lower_blocks(300, XtxBlocking { block: 64, batched })
+                .iter()
+                .flat_map(|g| g.origins().map(move |(r, c)| (r, c, g.rows, g.cols)))
+                .collect();
+        all.sort_unstable();
+        all
+    };
+    assert_eq!(blocks(true), blocks(false));
+    // 300 = 4 × 64 + 44: 4 block diagonals of whole blocks, then 5 blocks of the last row.
+    assert_eq!(
+        xtx_lower_blocks(
+            300,
+            XtxBlocking {
+                block: 64,
+                batched: true
+            }
+        )
+        .len(),
+        4 + 5
+    );
+    assert_eq!(
+        xtx_lower_blocks(
+            300,
+            XtxBlocking {
+                block: 64,
+                batched: false
+            }
+        )
+        .len(),
+        15
+    );
+}
+
 /// On CUDA only (`--features cuda`, an NVIDIA GPU): the blocked, symmetric cuBLAS Hessian
 /// over weighted runs of rows against the f64 sum. CI never builds these.
 #[cfg(feature = "cuda")]
 mod cuda_runs {
+    use cubecl::cuda::CudaRuntime;
+    use cubecl::prelude::ComputeClient;
     use half::bf16;
-    use sala_kernels::cuda::{xtx_runs_bf16, Bf16Matrix, Cublas, XtxRun, XTX_BLOCK};
+    use sala_kernels::cuda::{
+        xtx_runs_bf16_blocked, Bf16Matrix, Cublas, XtxBlocking, XtxRun, XTX_BLOCK,
+    };
     use sala_kernels::{DeviceVec, MatrixView};
 
     use crate::common::{client, Rng};
 
+    /// The default blocking on three blocks (the last ragged), and batched blockings: small
+    /// blocks with block diagonals of 3, 2 and 1 whole blocks and a ragged row, and the
+    /// default block batched.
     #[test]
     fn weighted_runs_match_the_f64_sum_and_are_exactly_symmetric() {
         let Some(client) = client() else {
             return;
         };
         let blas = Cublas::new(0).unwrap();
+        let cases = [
+            (XtxBlocking::default(), 2 * XTX_BLOCK + 100),
+            (
+                XtxBlocking {
+                    block: 256,
+                    batched: true,
+                },
+                3 * 256 + 40,
+            ),
+            (
+                XtxBlocking {
+                    block: XTX_BLOCK,
+                    batched: true,
+                },
+                2 * XTX_BLOCK + 100,
+            ),
+        ];
+        for (blocking, dim) in cases {
+            check_runs(&client, &blas, blocking, dim);
+        }
+    }
+
+    fn check_runs(
+        client: &ComputeClient<CudaRuntime>,
+        blas: &Cublas,
+        blocking: XtxBlocking,
+        dim: usize,
+    ) {
         let mut rng = Rng::new(71);
-        // Three blocks, the last one ragged; runs of different weights, one empty, rows left
-        // out between them.
-        let (tokens, dim) = (300, 2 * XTX_BLOCK + 100);
+        // Runs of different weights, one empty, rows left out between them.
+        let tokens = 300;
         let x: Vec<f32> = (0..tokens * dim)
             .map(|_| bf16::from_f32(rng.normal()).to_f32())
             .collect();
         let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-        let xm = Bf16Matrix::upload(&client, &bits, tokens, dim).unwrap();
+        let xm = Bf16Matrix::upload(client, &bits, tokens, dim).unwrap();
         let runs = [
             XtxRun {
                 first_row: 0,
@@ -103,7 +217,7 @@ mod cuda_runs {
                 ((r.min(c) * 7 + r.max(c) * 3) % 11) as f32 - 5.0
             })
             .collect();
-        let h = DeviceVec::upload(&client, &h0);
+        let h = DeviceVec::upload(client, &h0);
         let view = MatrixView {
             handle: h.handle.clone(),
             offset: 0,
@@ -111,8 +225,8 @@ mod cuda_runs {
             cols: dim,
             row_stride: dim,
         };
-        xtx_runs_bf16(&client, &blas, &xm, &runs, &view).unwrap();
-        let got: Vec<f32> = h.download(&client).unwrap();
+        xtx_runs_bf16_blocked(client, blas, &xm, &runs, &view, blocking).unwrap();
+        let got: Vec<f32> = h.download(client).unwrap();
         // Column-major copy: the reference reads columns of x as contiguous rows.
         let xt: Vec<f64> = (0..dim * tokens)
             .map(|e| x[(e % tokens) * dim + e / tokens] as f64)
@@ -131,11 +245,15 @@ mod cuda_runs {
                         })
                         .sum::<f64>();
                 let (lower, upper) = (got[r * dim + c], got[c * dim + r]);
-                assert_eq!(lower.to_bits(), upper.to_bits(), "({r}, {c}) not symmetric");
+                assert_eq!(
+                    lower.to_bits(),
+                    upper.to_bits(),
+                    "{blocking:?}: ({r}, {c}) not symmetric"
+                );
                 worst = worst.max((lower as f64 - want).abs());
             }
         }
         // Entries are O(1)–O(10); f32 sums of a few hundred products are good to ~1e-5.
-        assert!(worst < 1e-4, "worst error {worst:e}");
+        assert!(worst < 1e-4, "{blocking:?}: worst error {worst:e}");
     }
 }
