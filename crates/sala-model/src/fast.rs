@@ -153,6 +153,12 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
     ) -> Result<Tensor<B, 2>> {
         Ok(gram_reference(h, x, runs))
     }
+
+    /// The op-by-op timer of these fast ops, where they have one
+    /// ([`ProfiledOps`](crate::ProfiledOps)); `None` by default.
+    fn profile(&self) -> Option<&crate::profile::OpProfile> {
+        None
+    }
 }
 
 /// Rows of a tensor that share one weight in a weighted sum over rows.

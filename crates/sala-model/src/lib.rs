@@ -9,6 +9,8 @@
 //!   (`CudaFastOps` on CUDA, feature `cuda`: `sala-kernels`' attention, cuBLAS linears;
 //!   [`CpuFastOps`] on burn-ndarray: faer GEMMs and fused element-wise passes on every core),
 //!   tested against the graph.
+//! - [`ProfiledOps`]: a [`FastOps`] wrapper that times each op between device
+//!   synchronisations, switched on and off through its [`OpProfile`].
 //! - [`LayerSource`]: where a layer's weights come from — host f32 or device tensors
 //!   ([`DeviceLayerWeights`]: a training loop's parameters run through the same graph).
 //! - [`device`]: the GPU backend `CudaBackend` (feature `cuda`; bf16 storage,
@@ -27,6 +29,7 @@ pub mod fast;
 pub mod host;
 pub mod numerics;
 pub mod ops;
+pub mod profile;
 pub mod runner;
 pub mod source;
 pub mod store;
@@ -46,6 +49,7 @@ pub use fast::{f32_matrix_view, CudaFastOps};
 pub use fast::{gram_reference, sample_runs, sequence_offsets, FastOps, RowRun};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{nearest_bf16, round_to_bf16, to_f32, Numerics};
+pub use profile::{OpProfile, OpTotal, ProfiledOps};
 pub use runner::{AttentionMode, EmbeddingTable, LayerRunner, RunOptions, TapRows};
 pub use safetensors::Dtype;
 pub use source::{DeviceLayerWeights, LayerSource};

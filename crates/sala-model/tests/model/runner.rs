@@ -9,9 +9,10 @@ use burn::tensor::Tensor;
 use common::*;
 use sala_model::ops::norm::rms_norm;
 use sala_model::{
-    AttentionMode, LayerRunner, LayerWeights, ModelError, Numerics, RunOptions, SalaConfig,
-    TensorStore,
+    AttentionMode, CpuFastOps, FastOps, LayerKind, LayerRunner, LayerWeights, ModelError, Numerics,
+    ProfiledOps, RowRun, RunOptions, SalaConfig, TensorStore,
 };
+use std::sync::Arc;
 
 fn open(name: &str) -> (SalaConfig, TensorStore) {
     let dir = fixtures().join(name);
@@ -477,5 +478,77 @@ fn embedding_on_the_device_equals_the_host_lookup() {
                 .to_string();
             assert!(err.contains(&format!("token id {}", last + 1)), "{err}");
         }
+    }
+}
+
+/// Profiled fast ops compute what the fast ops compute, bit for bit, and time each op they
+/// answer only while the profile is on: a lightning and a minicpm4 layer on a pack, the
+/// capture pass's Hessian products included.
+#[test]
+fn profiled_ops_give_the_same_layer_and_count_each_op() {
+    let (config, store) = open("tiny-sala");
+    let cpu: Arc<dyn FastOps<B>> = Arc::new(CpuFastOps::new(Numerics::Bf16Rounding));
+    let profiled = Arc::new(ProfiledOps::new(cpu.clone()));
+    let options = RunOptions {
+        numerics: Numerics::Bf16Rounding,
+        ..RunOptions::default()
+    };
+    let plain = LayerRunner::<B>::new(config.clone(), Default::default(), options)
+        .with_fast_ops(cpu.clone());
+    let timed = LayerRunner::<B>::new(config.clone(), Default::default(), options)
+        .with_fast_ops(profiled.clone());
+    let profile = timed.fast_ops().and_then(|f| f.profile()).unwrap();
+    let lengths = [9, 4, 4];
+    let pack = plain.embed(&store, &ids(17)).unwrap();
+    for layer in [0, 1] {
+        let weights = LayerWeights::load(&store, &config, layer).unwrap();
+        let want = plain
+            .run_pack_from(&weights, pack.clone(), &lengths, |_, _, _| {})
+            .unwrap();
+        // Off: nothing is counted.
+        let got = timed
+            .run_pack_from(&weights, pack.clone(), &lengths, |_, _, _| {})
+            .unwrap();
+        assert_eq!(to_vec(got), to_vec(want.clone()), "layer {layer}, off");
+        assert!(
+            profile.take().is_empty(),
+            "layer {layer}: counted while off"
+        );
+        profile.set_enabled(true);
+        let got = timed
+            .run_pack_from(&weights, pack.clone(), &lengths, |_, _, _| {})
+            .unwrap();
+        let mut grams = 0;
+        timed
+            .capture_pack_from(&weights, pack.clone(), &lengths, |_, x, _| {
+                let dim = x.dims()[1];
+                let h = Tensor::<B, 2>::zeros([dim, dim], &Default::default());
+                let runs = [RowRun {
+                    rows: x.dims()[0],
+                    weight: 1.0,
+                }];
+                profiled.accumulate_gram(h, x, &runs).unwrap();
+                grams += 1;
+            })
+            .unwrap();
+        profile.set_enabled(false);
+        assert_eq!(to_vec(got), to_vec(want), "layer {layer}, on");
+        let totals = profile.take();
+        let calls = |op: &str| totals.iter().find(|t| t.op == op).map_or(0, |t| t.calls);
+        let linears = config.linear_specs(layer).len() as u64;
+        // The propagate pass runs every linear, the capture pass all but down_proj.
+        assert_eq!(
+            calls("linear"),
+            2 * linears - 1,
+            "layer {layer}: {totals:?}"
+        );
+        assert_eq!(calls("accumulate_gram"), grams, "layer {layer}");
+        let mixer = match config.layer_kind(layer) {
+            LayerKind::Lightning => "simple_gla",
+            _ => "causal_attention",
+        };
+        assert_eq!(calls(mixer), 2, "layer {layer}: {totals:?}");
+        assert!(totals.iter().all(|t| t.seconds >= 0.0 && t.calls > 0));
+        assert!(profile.take().is_empty(), "take starts afresh");
     }
 }
