@@ -10,11 +10,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use clap::Parser;
 use sala_gptq::forward_bench::{
-    measure_case, measure_mixer, project_forward, random_hidden, timed_upload, ForwardCase,
-    ForwardMeasurement, ForwardProjection, LayerFixedCost, MixerMeasurement, PerTokenCost,
-    PRODUCTION_LENGTH_MIX,
+    measure_case, measure_mixer, profile_case, project_forward, random_hidden, timed_upload,
+    CaseProfile, ForwardCase, ForwardMeasurement, ForwardProjection, LayerFixedCost,
+    MixerMeasurement, PerTokenCost, PRODUCTION_LENGTH_MIX,
 };
-use sala_gptq::model::{FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, SalaConfig};
+use sala_gptq::model::{
+    FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, OpTotal, ProfiledOps, SalaConfig,
+};
 use sala_gptq::{LinearSolver, MemoryProbe, ResidentSolver, SyntheticModel, WeightSource};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -58,6 +60,12 @@ pub struct Args {
     /// Run in f32 without bf16 storage (GPU) or rounding.
     #[arg(long)]
     f32: bool,
+    /// After each case's timed passes, run one capture and one propagate pass with every
+    /// fast op timed between device synchronisations, and report the seconds per op (the
+    /// synchronised passes are slower than the timed ones; the difference to the sum of the
+    /// ops is the graph's own work). Needs the fast ops (not with `--graph-ops`).
+    #[arg(long)]
+    profile_ops: bool,
 }
 
 /// What `bench_forward` measured.
@@ -83,6 +91,9 @@ pub struct ForwardReport {
     pub per_token: Vec<KindCost>,
     /// The production calibration run's forward passes, projected.
     pub projection: ForwardProjection,
+    /// With `--profile-ops`: per layer kind and case, the passes op by op.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<CaseProfile>,
 }
 
 /// The per-token costs of one layer kind.
@@ -136,6 +147,9 @@ fn parse_cases(text: &str) -> Result<Vec<ForwardCase>, String> {
 /// Runs `bench_forward` with `args`, prints a table and returns the report.
 pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
     args.device.check_available("bench_forward")?;
+    if args.profile_ops && args.graph_ops {
+        return Err("--profile-ops times the fast ops; --graph-ops turns them off".into());
+    }
     let cases = parse_cases(&args.cases)?;
     let config = match &args.config {
         Some(path) => SalaConfig::from_file(path)?,
@@ -163,6 +177,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         },
         device_name: format!("{:?}", args.device).to_lowercase(),
         kernel_cache: kernel_cache.into(),
+        profile_ops: args.profile_ops,
     };
     let cpu_fast_ops = (!args.graph_ops).then_some(job.numerics);
     let report = dispatch(args.device, "bench_forward", true, cpu_fast_ops, job)?;
@@ -183,6 +198,7 @@ struct ForwardJob {
     numerics: Numerics,
     device_name: String,
     kernel_cache: String,
+    profile_ops: bool,
 }
 
 impl DeviceJob for ForwardJob {
@@ -204,13 +220,17 @@ impl DeviceJob for ForwardJob {
         let mut runner = LayerRunner::<B>::new(self.config.clone(), device.clone(), options);
         let fast_ops = fast.is_some();
         if let Some(fast) = fast {
-            runner = runner.with_fast_ops(fast);
+            runner = runner.with_fast_ops(match self.profile_ops {
+                true => Arc::new(ProfiledOps::new(fast)),
+                false => fast,
+            });
         }
         let model = SyntheticModel::<B>::new(self.config.clone(), self.seed, &device);
         let mut fixed = Vec::new();
         let mut measurements = Vec::new();
         let mut mixers = Vec::new();
         let mut per_token = Vec::new();
+        let mut profiles = Vec::new();
         let started = std::time::Instant::now();
         let mut meta = BTreeMap::new();
         for layer in first_layer_of_each_kind(&self.config) {
@@ -255,6 +275,11 @@ impl DeviceJob for ForwardJob {
                     m.tflops,
                     m.capture_ms_per_1k_tokens
                 );
+                if let Some(p) =
+                    profile_case(&runner, &weights, &device_weights, case, hidden.clone())?
+                {
+                    profiles.push(p);
+                }
                 if let Some(dir) = &self.dump {
                     dump_case(dir, &m.kind, &case.name, hidden, output)?;
                     meta.insert(format!("{}_{}", m.kind, case.name), case.lengths.clone());
@@ -283,6 +308,7 @@ impl DeviceJob for ForwardJob {
             mixers,
             per_token,
             projection,
+            profiles,
         })
     }
 }
@@ -371,6 +397,43 @@ fn print_report(report: &ForwardReport) {
         p.capture_s,
         p.propagate_s,
         p.total_s / 60.0
+    );
+    for p in &report.profiles {
+        print_profile(&p.kind, &p.case, "capture", p.capture_s, &p.capture_ops);
+        print_profile(
+            &p.kind,
+            &p.case,
+            "propagate",
+            p.propagate_s,
+            &p.propagate_ops,
+        );
+    }
+}
+
+/// One profiled pass: seconds per op, their share of the pass, and the rest (the graph's own
+/// work).
+fn print_profile(kind: &str, case: &str, pass: &str, seconds: f64, ops: &[OpTotal]) {
+    println!(
+        "{kind} {case} {pass}, synchronised per op: {:.2} ms",
+        1e3 * seconds
+    );
+    let share = |s: f64| 100.0 * s / seconds.max(f64::MIN_POSITIVE);
+    for op in ops {
+        println!(
+            "  {:>18} {:>5} calls {:>10.3} ms {:>5.1} %",
+            op.op,
+            op.calls,
+            1e3 * op.seconds,
+            share(op.seconds)
+        );
+    }
+    let rest = seconds - ops.iter().map(|o| o.seconds).sum::<f64>();
+    println!(
+        "  {:>18} {:>5}       {:>10.3} ms {:>5.1} %",
+        "rest",
+        "",
+        1e3 * rest,
+        share(rest)
     );
 }
 

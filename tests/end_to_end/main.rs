@@ -2,6 +2,7 @@
 //! its own, and each linked the whole stack; one link instead of several keeps CI's build short.
 
 mod external_project;
+mod forward_cli;
 mod quantize_cli;
 mod report_html;
 mod trained_fixture;

@@ -12,7 +12,8 @@ use crate::stats::{InputStats, StatsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, ElementConversion, Tensor};
 use sala_model::{
-    input_groups, to_f32, DeviceLayerWeights, LayerKind, LayerRunner, LayerWeights, SalaConfig,
+    input_groups, to_f32, DeviceLayerWeights, LayerKind, LayerRunner, LayerWeights, OpTotal,
+    SalaConfig,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -220,59 +221,14 @@ pub fn measure_case<B: Backend>(
 ) -> Result<(ForwardMeasurement, Tensor<B, 2>), PipelineError> {
     let config = runner.config();
     let layer = weights.layer;
-    let device = runner.device();
-    let groups = input_groups(config, layer);
-    let sync = || {
-        B::sync(device).map_err(|e| PipelineError::Device {
-            layer,
-            message: e.to_string(),
-        })
-    };
-    let capture = || -> Result<f64, PipelineError> {
-        let mut stats = Vec::with_capacity(groups.len());
-        for group in &groups {
-            let dim = weights.get(&format!("{}.weight", group.readers[0]))?.shape[1];
-            let s = InputStats::<B>::new(StatsKind::Full, dim, Some(device)).map_err(|source| {
-                PipelineError::Solve {
-                    linear: group.readers[0].clone(),
-                    source,
-                }
-            })?;
-            stats.push((group.readers[0].clone(), s));
-        }
-        sync()?;
-        let t = Instant::now();
-        let mut failure = None;
-        runner.capture_pack_from(
-            device_weights,
-            hidden.clone(),
-            &case.lengths,
-            |name, x, rows| {
-                if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
-                    if let Err((_, message)) = s.add_pack(x, &case.lengths, rows, runner.fast_ops())
-                    {
-                        failure.get_or_insert(format!("{name}: {message}"));
-                    }
-                }
-            },
-        )?;
-        sync()?;
-        if let Some(message) = failure {
-            return Err(PipelineError::Device { layer, message });
-        }
-        Ok(t.elapsed().as_secs_f64())
+    let pass = CasePass {
+        runner,
+        weights,
+        device_weights,
+        case,
+        hidden: &hidden,
     };
     let mut output = None;
-    let mut propagate = || -> Result<f64, PipelineError> {
-        sync()?;
-        let t = Instant::now();
-        let y =
-            runner.run_pack_from(device_weights, hidden.clone(), &case.lengths, |_, _, _| {})?;
-        sync()?;
-        let seconds = t.elapsed().as_secs_f64();
-        output = Some(y);
-        Ok(seconds)
-    };
     let best = |f: &mut dyn FnMut() -> Result<f64, PipelineError>| -> Result<f64, PipelineError> {
         f()?;
         let mut best = f64::INFINITY;
@@ -281,9 +237,12 @@ pub fn measure_case<B: Backend>(
         }
         Ok(best)
     };
-    let mut capture = capture;
-    let capture_s = best(&mut capture)?;
-    let propagate_s = best(&mut propagate)?;
+    let capture_s = best(&mut || pass.capture())?;
+    let propagate_s = best(&mut || {
+        let (seconds, y) = pass.propagate()?;
+        output = Some(y);
+        Ok(seconds)
+    })?;
     let output = output.ok_or_else(|| PipelineError::NoSamples("nothing was run".into()))?;
     let tokens = case.tokens();
     let flop = layer_flop(config, layer, &case.lengths);
@@ -303,6 +262,139 @@ pub fn measure_case<B: Backend>(
         },
         output,
     ))
+}
+
+/// One layer's passes on one case, op by op ([`profile_case`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseProfile {
+    /// `minicpm4`, `lightning` or `llama`.
+    pub kind: String,
+    /// The case's name.
+    pub case: String,
+    /// Seconds of the profiled capture pass (slower than the plain one: every op is
+    /// synchronised).
+    pub capture_s: f64,
+    /// Its fast ops' totals; the rest of `capture_s` is the graph's own work.
+    pub capture_ops: Vec<OpTotal>,
+    /// Seconds of the profiled propagate pass.
+    pub propagate_s: f64,
+    /// Its fast ops' totals.
+    pub propagate_ops: Vec<OpTotal>,
+}
+
+/// One profiled capture pass and one profiled propagate pass of a layer on a case, op by op,
+/// when the runner's fast ops have a profile ([`sala_model::ProfiledOps`]); `None` otherwise.
+/// Run it after [`measure_case`], whose untimed first passes compile the kernels.
+pub fn profile_case<B: Backend>(
+    runner: &LayerRunner<B>,
+    weights: &LayerWeights,
+    device_weights: &DeviceLayerWeights<B>,
+    case: &ForwardCase,
+    hidden: Tensor<B, 2>,
+) -> Result<Option<CaseProfile>, PipelineError> {
+    let Some(profile) = runner.fast_ops().and_then(|f| f.profile()) else {
+        return Ok(None);
+    };
+    let pass = CasePass {
+        runner,
+        weights,
+        device_weights,
+        case,
+        hidden: &hidden,
+    };
+    let profiled = |f: &dyn Fn() -> Result<f64, PipelineError>| {
+        profile.take();
+        profile.set_enabled(true);
+        let seconds = f();
+        profile.set_enabled(false);
+        Ok::<_, PipelineError>((seconds?, profile.take()))
+    };
+    let (capture_s, capture_ops) = profiled(&|| pass.capture())?;
+    let (propagate_s, propagate_ops) = profiled(&|| pass.propagate().map(|(s, _)| s))?;
+    Ok(Some(CaseProfile {
+        kind: crate::plan::kind_name(runner.config().layer_kind(weights.layer)).to_owned(),
+        case: case.name.clone(),
+        capture_s,
+        capture_ops,
+        propagate_s,
+        propagate_ops,
+    }))
+}
+
+/// The two passes of one layer on one case, each synchronised with the device before and
+/// after its timer.
+struct CasePass<'a, B: Backend> {
+    runner: &'a LayerRunner<B>,
+    weights: &'a LayerWeights,
+    device_weights: &'a DeviceLayerWeights<B>,
+    case: &'a ForwardCase,
+    hidden: &'a Tensor<B, 2>,
+}
+
+impl<B: Backend> CasePass<'_, B> {
+    fn sync(&self) -> Result<(), PipelineError> {
+        B::sync(self.runner.device()).map_err(|e| PipelineError::Device {
+            layer: self.weights.layer,
+            message: e.to_string(),
+        })
+    }
+
+    /// Seconds of the capture pass: up to `down_proj`'s input, every input group's full
+    /// Hessian accumulated on the device.
+    fn capture(&self) -> Result<f64, PipelineError> {
+        let (runner, case, layer) = (self.runner, self.case, self.weights.layer);
+        let device = runner.device();
+        let groups = input_groups(runner.config(), layer);
+        let mut stats = Vec::with_capacity(groups.len());
+        for group in &groups {
+            let dim = self
+                .weights
+                .get(&format!("{}.weight", group.readers[0]))?
+                .shape[1];
+            let s = InputStats::<B>::new(StatsKind::Full, dim, Some(device)).map_err(|source| {
+                PipelineError::Solve {
+                    linear: group.readers[0].clone(),
+                    source,
+                }
+            })?;
+            stats.push((group.readers[0].clone(), s));
+        }
+        self.sync()?;
+        let t = Instant::now();
+        let mut failure = None;
+        runner.capture_pack_from(
+            self.device_weights,
+            self.hidden.clone(),
+            &case.lengths,
+            |name, x, rows| {
+                if let Some((_, s)) = stats.iter_mut().find(|(first, _)| first == name) {
+                    if let Err((_, message)) = s.add_pack(x, &case.lengths, rows, runner.fast_ops())
+                    {
+                        failure.get_or_insert(format!("{name}: {message}"));
+                    }
+                }
+            },
+        )?;
+        self.sync()?;
+        if let Some(message) = failure {
+            return Err(PipelineError::Device { layer, message });
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Seconds of the propagate pass (the whole layer, no taps) and its output.
+    fn propagate(&self) -> Result<(f64, Tensor<B, 2>), PipelineError> {
+        self.sync()?;
+        let t = Instant::now();
+        let y = self.runner.run_pack_from(
+            self.device_weights,
+            self.hidden.clone(),
+            &self.case.lengths,
+            |_, _, _| {},
+        )?;
+        self.sync()?;
+        Ok((t.elapsed().as_secs_f64(), y))
+    }
 }
 
 /// The mixer's core alone on one case: causal attention (minicpm4, Llama; only through the
