@@ -9,7 +9,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use regex::Regex;
 use sala_gptq::calib::{CalibOptions, CalibSet, CalibStats, CalibTokenizer};
 use sala_gptq::hessian::{ClipSearch, IntScheme, Nvfp4BlockSearch};
-use sala_gptq::model::{AttentionMode, FastOps, Numerics, SalaConfig};
+use sala_gptq::model::{AttentionMode, FastOps, Numerics, ProfiledOps, SalaConfig};
 use sala_gptq::plan::LoaderTarget;
 use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
@@ -191,6 +191,12 @@ pub struct Args {
     /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
     #[arg(long)]
     graph_ops: bool,
+    /// Time every fast op of the forward passes between device synchronisations, and report
+    /// the seconds per op for each layer (in the JSON report) and per layer kind (printed).
+    /// The synchronisations slow the run down: use it to see where the time goes, not how
+    /// long a run takes. Needs the fast ops (not with `--graph-ops`).
+    #[arg(long)]
+    profile_ops: bool,
     /// Host memory for hidden states, in MB; beyond it they go to a memory-mapped file.
     #[arg(long)]
     max_host_memory: Option<u64>,
@@ -326,6 +332,9 @@ fn fail(message: &str) -> ExitCode {
 /// Runs the command: plan, calibration, quantization, report. Errors are one line each.
 pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     args.device.check_available("quantize_sala")?;
+    if args.profile_ops && args.graph_ops {
+        return Err("--profile-ops times the fast ops; --graph-ops turns them off".into());
+    }
     if let Some(n) = args.threads {
         if !(1..=MAX_THREADS).contains(&n) {
             return Err(format!("--threads {n}: give 1 to {MAX_THREADS} worker threads").into());
@@ -438,6 +447,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         samples: &samples,
         quiet: args.quiet,
         kill_after_layer: kill_after_layer()?,
+        profile_ops: args.profile_ops,
     };
     // The checkpoint is verified, and its report written, inside the staging directory; the
     // commit (a rename) comes last, so a failure anywhere leaves the output as it was.
@@ -481,7 +491,8 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         true => format!("{}\n", report.table()),
         false => String::new(),
     };
-    if let Err(e) = say(format_args!("{table}{}", report.summary())).and_then(|()| {
+    let ops = report.op_summary().unwrap_or_default();
+    if let Err(e) = say(format_args!("{table}{ops}{}", report.summary())).and_then(|()| {
         say(format!(
             "report: {}\n        {}",
             html_path.display(),
@@ -741,7 +752,7 @@ fn memory_plan(
 /// fingerprint's entries and the report's settings.
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 42] = [
+    let flags: [(&str, String); 43] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -786,6 +797,7 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--host-statistics", a.host_statistics.to_string()),
         ("--host-solver", a.host_solver.to_string()),
         ("--graph-ops", a.graph_ops.to_string()),
+        ("--profile-ops", a.profile_ops.to_string()),
         ("--pack-tokens", a.pack_tokens.to_string()),
         ("--skip-failed-samples", a.skip_failed_samples.to_string()),
         ("--threads", format!("{:?}", a.threads)),
@@ -815,6 +827,8 @@ struct QuantizeJob<'a> {
     quiet: bool,
     /// [`KILL_AFTER_LAYER_ENV`].
     kill_after_layer: Option<usize>,
+    /// `--profile-ops`.
+    profile_ops: bool,
 }
 
 impl DeviceJob for QuantizeJob<'_> {
@@ -836,7 +850,10 @@ impl DeviceJob for QuantizeJob<'_> {
             pipeline = pipeline.with_memory_probe(probe);
         }
         if let Some(fast) = fast {
-            pipeline = pipeline.with_fast_ops(fast);
+            pipeline = pipeline.with_fast_ops(match self.profile_ops {
+                true => Arc::new(ProfiledOps::new(fast).switched_on()),
+                false => fast,
+            });
         }
         let mut progress = Bars::new(self.quiet);
         progress.kill_after_layer = self.kill_after_layer;

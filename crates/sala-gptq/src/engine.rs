@@ -13,7 +13,7 @@ use crate::options::{Nvfp4Solver, QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
-use crate::report::{peak_rss_bytes, LayerReport, LinearReport};
+use crate::report::{peak_rss_bytes, LayerOps, LayerReport, LinearReport};
 use crate::resident::{ResidentHessian, ResidentSolver};
 use crate::smoothing::{fixed_scales, fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
@@ -117,6 +117,12 @@ fn max_memory(peak: Option<DeviceMemory>, now: Option<DeviceMemory>) -> Option<D
 /// (a no-op on the CPU backend).
 fn sync<B: Backend>(device: &B::Device) -> Result<(), String> {
     B::sync(device).map_err(|e| format!("device error: {e}"))
+}
+
+/// `runner`'s op profile when its fast ops are profiled and the profile is on.
+fn op_profile<B: Backend>(runner: &LayerRunner<B>) -> Option<&sala_model::OpProfile> {
+    let profile = runner.fast_ops()?.profile()?;
+    profile.enabled().then_some(profile)
 }
 
 fn seconds_since(t: Instant) -> f64 {
@@ -336,6 +342,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             ..LayerReport::default()
         };
         self.layer_peak = None;
+        let profile = op_profile(runner);
+        if let Some(profile) = profile {
+            // What ran before this layer's capture is not this layer's.
+            profile.take();
+        }
         let t = Instant::now();
         let mut weights = source.layer(layer)?;
         let groups = input_groups(config, layer);
@@ -398,6 +409,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.stages.solve += seconds_since(t);
         }
 
+        let capture_ops = profile.map(|p| p.take());
         // The statistics (a GB of Hessians at full size) are not needed to propagate: their
         // pages go back to the driver before the next stage's buffers are asked for.
         drop(stats);
@@ -430,6 +442,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         });
         report.stages.propagate = propagated?;
         report.stages.write = written?;
+        report.ops = capture_ops.map(|capture| LayerOps {
+            capture,
+            propagate: profile.map(|p| p.take()).unwrap_or_default(),
+        });
         report.peak_device_memory = self.layer_peak;
         report.peak_rss_bytes = peak_rss_bytes();
         self.peak_device = max_memory(self.peak_device, self.layer_peak);

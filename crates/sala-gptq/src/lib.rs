@@ -69,7 +69,8 @@ pub use plan::{
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{
-    LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds, StageTotals,
+    LayerOps, LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds,
+    StageTotals,
 };
 pub use resident::{ResidentHessian, ResidentSolver, WithBaseline};
 pub use resume::file_hash;

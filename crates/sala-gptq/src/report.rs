@@ -137,6 +137,20 @@ pub struct LayerReport {
     pub peak_device_memory: Option<DeviceMemory>,
     /// Peak resident memory of the process so far, bytes (Linux `VmHWM`), at the layer's end.
     pub peak_rss_bytes: Option<u64>,
+    /// With profiled fast ops (`quantize_sala --profile-ops`): the layer's forward passes op
+    /// by op.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ops: Option<LayerOps>,
+}
+
+/// One layer's fast ops, op by op ([`sala_model::ProfiledOps`]): each op synchronised, so the
+/// stages take longer than without the profile.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LayerOps {
+    /// The capture passes (their Hessian products are `accumulate_gram`).
+    pub capture: Vec<sala_model::OpTotal>,
+    /// The propagate pass.
+    pub propagate: Vec<sala_model::OpTotal>,
 }
 
 impl LayerReport {
@@ -260,6 +274,60 @@ impl Report {
     /// and the verifier's verdict.
     pub fn summary(&self) -> ReportSummary<'_> {
         ReportSummary(self)
+    }
+
+    /// With profiled fast ops: per layer kind and stage, each op's calls and seconds summed
+    /// over the layers, largest first, and the `rest` of the stage that no fast op took (the
+    /// graph's own ops, statistics accumulated on the host; for capture, the stage's capture
+    /// and accumulate seconds together). `None` when no layer was profiled.
+    pub fn op_summary(&self) -> Option<String> {
+        // (kind, stage) → (stage seconds, op → (calls, seconds))
+        type Totals = BTreeMap<(String, &'static str), (f64, BTreeMap<String, (u64, f64)>)>;
+        let mut totals: Totals = BTreeMap::new();
+        for layer in &self.layers {
+            let Some(ops) = &layer.ops else { continue };
+            let stages = [
+                (
+                    "capture",
+                    layer.stages.capture + layer.stages.accumulate,
+                    &ops.capture,
+                ),
+                ("propagate", layer.stages.propagate, &ops.propagate),
+            ];
+            for (stage, seconds, list) in stages {
+                let entry = totals.entry((layer.kind.clone(), stage)).or_default();
+                entry.0 += seconds;
+                for op in list {
+                    let sum = entry.1.entry(op.op.clone()).or_default();
+                    sum.0 += op.calls;
+                    sum.1 += op.seconds;
+                }
+            }
+        }
+        if totals.is_empty() {
+            return None;
+        }
+        let mut text = String::from("fast ops, each synchronised (seconds summed over layers):\n");
+        for ((kind, stage), (seconds, ops)) in totals {
+            text += &format!("{kind} {stage}: {seconds:.2} s\n");
+            let mut ops: Vec<(String, (u64, f64))> = ops.into_iter().collect();
+            ops.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            let share = |s: f64| 100.0 * s / seconds.max(f64::MIN_POSITIVE);
+            for (op, (calls, s)) in &ops {
+                text += &format!(
+                    "  {op:>18} {calls:>7} calls {s:>9.2} s {:>5.1} %\n",
+                    share(*s)
+                );
+            }
+            let rest = seconds - ops.iter().map(|(_, (_, s))| s).sum::<f64>();
+            text += &format!(
+                "  {:>18} {:>13} {rest:>9.2} s {:>5.1} %\n",
+                "rest",
+                "",
+                share(rest)
+            );
+        }
+        Some(text)
     }
 }
 

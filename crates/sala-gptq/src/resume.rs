@@ -441,6 +441,8 @@ impl Manifest {
                 stages: l.report.stages,
                 peak_device_memory: memory_of(l.report.peak_device_memory),
                 peak_rss_bytes: l.report.peak_rss_bytes,
+                // A resumed run's earlier layers were not profiled in this process.
+                ops: None,
             })
             .collect();
         let linears = self

@@ -92,6 +92,12 @@ impl<B: Backend> ProfiledOps<B> {
         }
     }
 
+    /// This wrapper with its profile switched on from the start.
+    pub fn switched_on(self) -> Self {
+        self.profile.set_enabled(true);
+        self
+    }
+
     /// `f` (an op on `device`), timed when the profile is on and `f` answered
     /// (`answered(&output)`).
     fn timed<T>(

@@ -403,3 +403,55 @@ fn true_sequential_and_group_aware_order_run_end_to_end() {
     eprintln!("tiny-llama relative logits error: group-aware order {rel}");
     assert!(rel < 0.75, "group-aware order: relative logits error {rel}");
 }
+
+/// Profiled fast ops (`quantize_sala --profile-ops`) write the same checkpoint, byte for byte,
+/// and every layer's report has its capture and propagate passes op by op (one mixer call per
+/// pass: the samples run as one pack).
+#[test]
+fn profiled_fast_ops_write_the_same_checkpoint_and_report_each_layer() {
+    use sala_gptq::model::{CpuFastOps, FastOps, ProfiledOps};
+    use std::sync::Arc;
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    let options = QuantizeOptions::new(Recipe::Gptq);
+    let fast: Arc<dyn FastOps<CpuBackend>> = Arc::new(CpuFastOps::new(options.run.numerics));
+    let run = |name: &str, fast: Arc<dyn FastOps<CpuBackend>>| {
+        let out = dir.path().join(name);
+        let report = Pipeline::<CpuBackend>::new(Default::default(), options.clone())
+            .with_fast_ops(fast)
+            .run(&model, &out, &samples(&model), &mut NoProgress)
+            .unwrap();
+        (out, report)
+    };
+    let (plain_dir, plain) = run("plain", fast.clone());
+    let (profiled_dir, profiled) = run("profiled", Arc::new(ProfiledOps::new(fast).switched_on()));
+    for file in ["model.safetensors", "config.json"] {
+        let (a, b) = (plain_dir.join(file), profiled_dir.join(file));
+        assert_eq!(
+            std::fs::read(&a).unwrap(),
+            std::fs::read(&b).unwrap(),
+            "{file}"
+        );
+    }
+    assert!(plain.layers.iter().all(|l| l.ops.is_none()));
+    let last = profiled.layers.len() - 1;
+    for layer in &profiled.layers {
+        let ops = layer.ops.as_ref().expect("profiled layer");
+        let calls = |list: &[sala_gptq::model::OpTotal], op: &str| {
+            list.iter().find(|t| t.op == op).map_or(0, |t| t.calls)
+        };
+        assert!(calls(&ops.capture, "linear") > 0, "layer {}", layer.layer);
+        // On the CPU the Hessians accumulate on the host, outside the fast ops.
+        let mixer = match layer.kind.as_str() {
+            "lightning" => "simple_gla",
+            _ => "causal_attention",
+        };
+        assert_eq!(calls(&ops.capture, mixer), 1, "layer {}", layer.layer);
+        // The last layer is not propagated: its outputs feed nothing calibrated.
+        let propagated = calls(&ops.propagate, "linear") > 0;
+        assert_eq!(propagated, layer.layer != last, "layer {}", layer.layer);
+    }
+    let summary = profiled.op_summary().expect("a summary of the profile");
+    assert!(summary.contains("lightning capture") && summary.contains("simple_gla"));
+    assert_eq!(plain.op_summary(), None);
+}
