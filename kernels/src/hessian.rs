@@ -104,6 +104,14 @@ pub fn xtx_lower_blocks(dim: usize, blocking: XtxBlocking) -> Vec<XtxBlocks> {
     let block = blocking.block.max(1);
     let starts: Vec<usize> = (0..dim).step_by(block).collect();
     let size = |start: usize| block.min(dim - start);
+    let single = |row: usize, col: usize| XtxBlocks {
+        row,
+        col,
+        rows: size(row),
+        cols: size(col),
+        count: 1,
+        step: 0,
+    };
     let mut groups = Vec::new();
     if blocking.batched {
         // The whole blocks, one group per block diagonal; the ragged last row of blocks alone.
@@ -120,25 +128,11 @@ pub fn xtx_lower_blocks(dim: usize, blocking: XtxBlocking) -> Vec<XtxBlocks> {
         }
         if whole < starts.len() {
             let row = whole * block;
-            groups.extend(starts.iter().map(|&col| XtxBlocks {
-                row,
-                col,
-                rows: size(row),
-                cols: size(col),
-                count: 1,
-                step: 0,
-            }));
+            groups.extend(starts.iter().map(|&col| single(row, col)));
         }
     } else {
         for (i, &row) in starts.iter().enumerate() {
-            groups.extend(starts[..=i].iter().map(|&col| XtxBlocks {
-                row,
-                col,
-                rows: size(row),
-                cols: size(col),
-                count: 1,
-                step: 0,
-            }));
+            groups.extend(starts[..=i].iter().map(|&col| single(row, col)));
         }
     }
     groups
