@@ -12,7 +12,7 @@
 #   bench_gpu      `cargo build -p sala-kernels --features cuda --release --example bench_gpu`
 #   bench_forward  `cargo build --release --features cuda --example bench_forward`
 # OUT receives kernel-tests.log, bench-gpu.log and .json, forward-profile.log and .json.
-# KT_TIMEOUT, GPU_TIMEOUT and FWD_TIMEOUT bound the three steps (defaults 300, 200, 200 s).
+# KT_TIMEOUT, GPU_TIMEOUT and FWD_TIMEOUT bound the three steps (defaults 300, 200, 300 s).
 set -u
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 B=$(cd "${BIN:-.device-bin}" && pwd)
@@ -42,7 +42,7 @@ echo "bench_gpu rc=$? $((SECONDS - t)) s" | tee -a "$OUT/bench-gpu.log"
 grep -E "hessian_|inverse_cusolver|nvfp4_gptq|gptq_cublas" "$OUT/bench-gpu.log" | head -30
 
 t=$SECONDS
-timeout "${FWD_TIMEOUT:-200}" "$B/bench_forward" --device cuda --cases 16x1024,1x131072 --reps 1 \
+timeout "${FWD_TIMEOUT:-300}" "$B/bench_forward" --device cuda --cases 16x1024,1x131072 --reps 1 \
     --profile-ops --json "$OUT/forward-profile.json" > "$OUT/forward-profile.log" 2>&1
 echo "bench_forward rc=$? $((SECONDS - t)) s" | tee -a "$OUT/forward-profile.log"
 grep -A12 "synchronised per op" "$OUT/forward-profile.log" | head -80
