@@ -12,7 +12,7 @@
 #   bench_gpu      `cargo build -p sala-kernels --features cuda --release --example bench_gpu`
 #   bench_forward  `cargo build --release --features cuda --example bench_forward`
 # OUT receives kernel-tests.log, bench-gpu.log and .json, forward-profile.log and .json.
-# KT_TIMEOUT, GPU_TIMEOUT and FWD_TIMEOUT bound the three steps (defaults 300, 200, 300 s).
+# KT_TIMEOUT, GPU_TIMEOUT and FWD_TIMEOUT bound the three steps (defaults 200, 150, 230 s: together inside one 600 s device call).
 set -u
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 B=$(cd "${BIN:-.device-bin}" && pwd)
@@ -30,19 +30,19 @@ export CUDA_CACHE_PATH=$SCRATCH/cuda-jit CUDA_CACHE_MAXSIZE=1073741824
 export SALA_REQUIRE_DEVICE_TESTS=1
 
 t=$SECONDS
-timeout "${KT_TIMEOUT:-300}" "$B/kernel_tests" --test-threads 4 > "$OUT/kernel-tests.log" 2>&1
+timeout "${KT_TIMEOUT:-200}" "$B/kernel_tests" --test-threads 4 > "$OUT/kernel-tests.log" 2>&1
 echo "kernel_tests rc=$? $((SECONDS - t)) s" | tee -a "$OUT/kernel-tests.log"
 grep -E "^test result|FAILED|panicked" "$OUT/kernel-tests.log" | head -20
 
 t=$SECONDS
-timeout "${GPU_TIMEOUT:-200}" "$B/bench_gpu" --shapes 4096x4096,4096x16384 --tokens 16384 \
+timeout "${GPU_TIMEOUT:-150}" "$B/bench_gpu" --shapes 4096x4096,4096x16384 --tokens 16384 \
     --reps 3 --skip inverse_cpu,gptq_cpu,nvfp4_cpu,gptq_cubecl --json "$OUT/bench-gpu.json" \
     > "$OUT/bench-gpu.log" 2>&1
 echo "bench_gpu rc=$? $((SECONDS - t)) s" | tee -a "$OUT/bench-gpu.log"
 grep -E "hessian_|inverse_cusolver|nvfp4_gptq|gptq_cublas" "$OUT/bench-gpu.log" | head -30
 
 t=$SECONDS
-timeout "${FWD_TIMEOUT:-300}" "$B/bench_forward" --device cuda --cases 16x1024,1x131072 --reps 1 \
+timeout "${FWD_TIMEOUT:-230}" "$B/bench_forward" --device cuda --cases 16x1024,1x131072 --reps 1 \
     --profile-ops --json "$OUT/forward-profile.json" > "$OUT/forward-profile.log" 2>&1
 echo "bench_forward rc=$? $((SECONDS - t)) s" | tee -a "$OUT/forward-profile.log"
 grep -A12 "synchronised per op" "$OUT/forward-profile.log" | head -80
