@@ -43,7 +43,7 @@ mod stages;
 
 const USAGE: &str = "usage: bench_gpu [--data DIR] [--json FILE] [--shapes OUTxIN,...] \
 [--tokens N] [--reps N] [--warmup N] [--cpu-reps N] [--crop-rows N] [--seed N] [--tf32] \
-[--skip selftest,hessian,inverse,inverse_cpu,gptq_cublas,gptq_cubecl,gptq_cpu,nvfp4,nvfp4_cpu,\
+[--skip selftest,hessian,hessian_blocks,inverse,inverse_cpu,gptq_cublas,gptq_cubecl,gptq_cpu,nvfp4,nvfp4_cpu,\
 nvfp4_gptq] [--cpu-only]";
 
 use std::collections::HashSet;
