@@ -74,17 +74,7 @@ impl DeviceBlockSearch {
         client: &ComputeClient<R>,
         transfer: &dyn Transfer<R>,
     ) -> Result<Nvfp4SearchResult, KernelError> {
-        let blocks = self.cols / NVFP4_BLOCK;
-        let block_scales: Vec<u8> = to_bytes(transfer.download_u32(client, &self.block_scales)?);
-        if let Some(b) = block_scales.iter().position(|&s| s as u32 == E4M3_NAN_CODE) {
-            return Err(HessianError::NonFinite {
-                what: "weights",
-                row: b / blocks,
-                col: (b % blocks) * NVFP4_BLOCK,
-                value: f64::NAN,
-            }
-            .into());
-        }
+        let block_scales = download_block_scales(client, transfer, &self.block_scales, self.cols)?;
         let block_error = transfer.download_f32(client, &self.block_error)?;
         let codes: Vec<u8> = self.codes.download_low_bytes_with(client, transfer)?;
         // Blocks in parallel: a layer of the 9B model has 280 M codes.
@@ -108,6 +98,29 @@ impl DeviceBlockSearch {
             dequantized,
             block_error,
         })
+    }
+}
+
+/// Downloads the E4M3 scale bytes of a `[rows, cols / 16]` block grid (one byte per `u32`
+/// element) and refuses a NaN code: the search writes one only where a block's weights were
+/// not finite, so the error names that block's row and first column.
+pub(crate) fn download_block_scales<R: Runtime>(
+    client: &ComputeClient<R>,
+    transfer: &dyn Transfer<R>,
+    scales: &DeviceVec<u32>,
+    cols: usize,
+) -> Result<Vec<u8>, KernelError> {
+    let blocks = cols / NVFP4_BLOCK;
+    let bytes: Vec<u8> = to_bytes(transfer.download_u32(client, scales)?);
+    match bytes.iter().position(|&s| u32::from(s) == E4M3_NAN_CODE) {
+        Some(b) => Err(HessianError::NonFinite {
+            what: "weights",
+            row: b / blocks,
+            col: (b % blocks) * NVFP4_BLOCK,
+            value: f64::NAN,
+        }
+        .into()),
+        None => Ok(bytes),
     }
 }
 

@@ -24,8 +24,8 @@ use cubecl::prelude::*;
 use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{ColumnSolution, HessianError, Nvfp4BlockSearch};
 
-use crate::block_search::{e2m1_round, e4m3_decode, SearchLaunch, E4M3_NAN_CODE};
-use crate::device::{array_arg, to_bytes, DeviceVec, MatrixView};
+use crate::block_search::{download_block_scales, e2m1_round, e4m3_decode, SearchLaunch};
+use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
 use crate::gptq::launch_column_loss;
@@ -57,17 +57,7 @@ impl DeviceNvfp4Gptq {
         client: &ComputeClient<R>,
         transfer: &dyn Transfer<R>,
     ) -> Result<ColumnSolution<u8>, KernelError> {
-        let blocks = self.cols / NVFP4_BLOCK;
-        let scales = to_bytes(transfer.download_u32(client, &self.block_scales)?);
-        if let Some(b) = scales.iter().position(|&s| u32::from(s) == E4M3_NAN_CODE) {
-            return Err(HessianError::NonFinite {
-                what: "weights",
-                row: b / blocks,
-                col: (b % blocks) * NVFP4_BLOCK,
-                value: f64::NAN,
-            }
-            .into());
-        }
+        let scales = download_block_scales(client, transfer, &self.block_scales, self.cols)?;
         let codes = self.codes.download_low_bytes_with(client, transfer)?;
         let column_loss = transfer.download_f32(client, &self.column_loss)?;
         Ok(ColumnSolution {
