@@ -22,7 +22,9 @@ in bf16, GPTQ checkpoints through the kernel transformers loaded, as served on C
 
 Per held-out text: the reference's log-probabilities of every window are computed once, then
 each candidate's. Perplexity: exp of the mean next-token NLL (each window's first token has no
-prediction: windows × (len − 1) tokens). KL and top-1: over every position of every window.
+prediction: windows × (len − 1) tokens). KL and top-1: over every position of every window;
+`window_mean_kl` lists each window's own mean KL, so that a run over all windows also gives the
+figure over any first N of them.
 """
 
 from __future__ import annotations
@@ -146,12 +148,15 @@ def main() -> int:
         for k, ws in texts.items():
             nll = kl = agree = 0.0
             n_pred = n_pos = 0
+            window_kl = []
             for w, rlp in zip(ws, ref_lp[k]):
                 lp = rlp if model is None else window_logprobs(model, w)
                 tgt = torch.tensor(w[1:], dtype=torch.long)
                 nll -= lp[:-1].gather(1, tgt[:, None]).sum().item()
                 n_pred += len(w) - 1
-                kl += (rlp.exp() * (rlp - lp)).sum().item()
+                w_kl = (rlp.exp() * (rlp - lp)).sum().item()
+                kl += w_kl
+                window_kl.append(w_kl / len(w))
                 agree += (rlp.argmax(-1) == lp.argmax(-1)).sum().item()
                 n_pos += len(w)
             out[k] = {
@@ -161,6 +166,7 @@ def main() -> int:
                 "windows": len(ws),
                 "predicted_tokens": n_pred,
                 "positions": n_pos,
+                "window_mean_kl": window_kl,
             }
         return out
 
