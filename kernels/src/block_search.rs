@@ -247,19 +247,31 @@ impl SearchLaunch {
                 h_offset,
                 cols / NVFP4_BLOCK,
                 blocks,
-                self.iters,
-                E2M1_MAX * self.global_scale,
-                self.global_scale,
-                self.error_norm,
-                1.0,
-                f32::INFINITY,
             ),
+            self.scalars(),
         );
         Ok(())
     }
+
+    /// The candidates' shrink factors on the device, `[iters]`.
+    pub(crate) fn shrink(&self) -> &DeviceVec<f32> {
+        &self.shrink
+    }
+
+    /// The candidate loop's scalars, for a kernel launch ([`search_block`]).
+    pub(crate) fn scalars<R: Runtime>(&self) -> SearchScalarsLaunch<R> {
+        SearchScalarsLaunch::new(
+            self.iters,
+            E2M1_MAX * self.global_scale,
+            self.global_scale,
+            self.error_norm,
+            1.0,
+            f32::INFINITY,
+        )
+    }
 }
 
-/// The scalars of the search kernel.
+/// Where the search kernel's window and blocks are.
 #[derive(CubeLaunch, CubeType)]
 struct BlockSearchArgs {
     /// Window of the weight in its buffer.
@@ -270,6 +282,11 @@ struct BlockSearchArgs {
     /// Blocks per row and in total.
     blocks_per_row: usize,
     blocks: usize,
+}
+
+/// The candidate loop's scalars ([`search_block`]).
+#[derive(CubeLaunch, CubeType)]
+pub(crate) struct SearchScalars {
     /// Candidates per block.
     iters: usize,
     /// `6 · global_scale` (the max-calibration divisor).
@@ -294,6 +311,7 @@ fn block_search_kernel(
     errors: &mut Array<f32>,
     codes: &mut Array<u32>,
     args: &BlockSearchArgs,
+    search: &SearchScalars,
 ) {
     let b = ABSOLUTE_POS;
     if b < args.blocks {
@@ -302,52 +320,71 @@ fn block_search_kernel(
         let base = args.w_offset + row * args.w_stride + col0;
         let mut values = Array::<f32>::new(16usize);
         let mut channel = Array::<f32>::new(16usize);
-        let mut amax = 0.0f32;
-        let mut finite = true;
         #[unroll]
         for j in 0..16usize {
-            let v = w[base + j];
-            values[j] = v;
+            values[j] = w[base + j];
             channel[j] = h[args.h_offset + col0 + j];
-            if v.is_nan() || v.is_inf() {
-                finite = false;
-            }
-            let a = v.abs();
-            if a > amax {
-                amax = a;
-            }
         }
-        let init = amax / args.six_global;
-        let mut best_byte = 0u32;
-        let mut best_err = args.infinity;
-        let mut previous = 256u32;
-        for i in 0..args.iters {
-            let byte = e4m3_encode(clamp_scale(init * shrink[i]));
-            if byte != previous {
-                previous = byte;
-                let divisor = e4m3_decode(byte) * args.global;
-                let err = block_error(&values, &channel, divisor, args.p, args.one);
-                if err < best_err {
-                    best_err = err;
-                    best_byte = byte;
-                }
-            }
+        let (byte, err) = search_block(&values, &channel, shrink, search);
+        let mut divisor = e4m3_decode(byte) * search.global;
+        if byte == E4M3_NAN_CODE {
+            divisor = search.one;
         }
-        let mut divisor = e4m3_decode(best_byte) * args.global;
-        if !finite {
-            // The E4M3 NaN byte marks the block for `download` (which reports an error).
-            best_byte = E4M3_NAN_CODE;
-            best_err = args.infinity;
-            divisor = args.one;
-        }
-        scales[b] = best_byte;
-        errors[b] = best_err;
+        scales[b] = byte;
+        errors[b] = err;
         let out = row * args.blocks_per_row * 16 + col0;
         #[unroll]
         for j in 0..16usize {
             codes[out + j] = e2m1_round(values[j] / divisor).0;
         }
     }
+}
+
+/// The candidate loop on one block's 16 `values` weighted by `channel`: the first E4M3
+/// byte of the smallest error and that error; for a block with a NaN or infinite value the
+/// NaN byte ([`E4M3_NAN_CODE`], which no finite candidate encodes to) and infinity.
+#[cube]
+pub(crate) fn search_block(
+    values: &Array<f32>,
+    channel: &Array<f32>,
+    shrink: &Array<f32>,
+    search: &SearchScalars,
+) -> (u32, f32) {
+    let mut amax = 0.0f32;
+    let mut finite = true;
+    #[unroll]
+    for j in 0..16usize {
+        let v = values[j];
+        if v.is_nan() || v.is_inf() {
+            finite = false;
+        }
+        let a = v.abs();
+        if a > amax {
+            amax = a;
+        }
+    }
+    let init = amax / search.six_global;
+    let mut best_byte = 0u32;
+    let mut best_err = search.infinity;
+    let mut previous = 256u32;
+    for i in 0..search.iters {
+        let byte = e4m3_encode(clamp_scale(init * shrink[i]));
+        if byte != previous {
+            previous = byte;
+            let divisor = e4m3_decode(byte) * search.global;
+            let err = block_error(values, channel, divisor, search.p, search.one);
+            if err < best_err {
+                best_err = err;
+                best_byte = byte;
+            }
+        }
+    }
+    if !finite {
+        // The E4M3 NaN byte marks the block for `download` (which reports an error).
+        best_byte = E4M3_NAN_CODE;
+        best_err = search.infinity;
+    }
+    (best_byte, best_err)
 }
 
 /// `clamp(s, 2⁻⁹, 448)` (NaN-free: `s` comes from finite or infinite values only), as

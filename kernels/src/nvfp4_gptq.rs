@@ -1,20 +1,24 @@
 //! GPTQ on the NVFP4 grid on the device: `sala_hessian::Nvfp4Gptq`'s column loop, with each
 //! 16-column block's E4M3 scale searched on the error-updated weights when the loop reaches
-//! it ([`crate::block_search`]'s kernel on the block's window), each weight rounded to E2M1 on
-//! that scale, and its scaled error spread over the later columns.
+//! it (the block search's candidate loop), each weight rounded to E2M1 on that scale, and its
+//! scaled error spread over the later columns.
 //!
 //! The inputs are the host's prepared problem: `W [rows, cols]` in natural column order
 //! (an NVFP4 block is 16 consecutive stored columns) with dead columns zeroed, and `U
 //! [cols, cols]`, the upper Cholesky factor of the damped `H⁻¹`. For each lazy block
-//! `[b0, b1)` (a multiple of 16 columns), and each 16-column block `[c0, c0 + 16)` in it:
+//! `[b0, b1)` (a multiple of 16 columns), one launch of the lazy-block kernel, one unit per
+//! row, goes through each 16-column block `[c0, c0 + 16)` of it in order:
 //!
-//! 1. the search kernel chooses every row's scale for the block on its current values;
-//! 2. the block kernel, one unit per row, quantizes the block's 16 columns in order
-//!    (`e = (w − q)/U[c,c]`, `w[j] −= e·U[c,j]` for the block's later columns), writes the
-//!    codes, the scale byte and `E`, and subtracts the block's errors from the rest of the
-//!    lazy block, `W[:, c0+16:b1] −= E_block · U[c0:c0+16, c0+16:b1]`;
+//! 1. the search's candidate loop chooses the row's scale for the block on its current
+//!    values (the block search's own code, [`crate::block_search`]);
+//! 2. the block's 16 columns are quantized in order (`e = (w − q)/U[c,c]`, `w[j] −= e·U[c,j]`
+//!    for the block's later columns), the codes, the scale byte and `E` written, and the
+//!    block's errors subtracted from the rest of the lazy block,
+//!    `W[:, c0+16:b1] −= E_block · U[c0:c0+16, c0+16:b1]`;
 //!
-//! then `W[:, b1:] −= E · U[b0:b1, b1:]` through the caller's [`Gemm`].
+//! then `W[:, b1:] −= E · U[b0:b1, b1:]` through the caller's [`Gemm`]. (One launch per lazy
+//! block, not two per 16 columns: on the H200 the two launches per block took 84.6 ms per
+//! 4096² linear, five times GPTQ's integer loop.)
 //!
 //! The differences from the host loop are f32 summation orders (the host's lazy blocks are
 //! the same, its outer blocks are not), which flip a rare code at a rounding boundary or a
@@ -24,7 +28,9 @@ use cubecl::prelude::*;
 use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{ColumnSolution, HessianError, Nvfp4BlockSearch};
 
-use crate::block_search::{download_block_scales, e2m1_round, e4m3_decode, SearchLaunch};
+use crate::block_search::{
+    download_block_scales, e2m1_round, e4m3_decode, search_block, SearchLaunch, SearchScalars,
+};
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
@@ -101,41 +107,37 @@ pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
     let errors = MatrixView::zeros(client, rows, cols)?;
     let channel_weights = DeviceVec::upload(client, channel_weights);
     let searching = SearchLaunch::new(client, search, global_scale);
-    // One search result, rewritten by each block's search (the launches run in order).
-    let found = searching.result_for(client, rows, NVFP4_BLOCK)?;
     let (count, dim) = elementwise(client, rows)?;
     let mut b0 = 0;
     while b0 < cols {
         let b1 = (b0 + block).min(cols);
-        for c0 in (b0..b1).step_by(NVFP4_BLOCK) {
-            let window = w.window(0, c0, rows, NVFP4_BLOCK)?;
-            searching.search_into(client, &window, &channel_weights, c0, &found)?;
-            nvfp4_gptq_block_kernel::launch::<R>(
-                client,
-                count.clone(),
-                dim,
-                array_arg(&w.handle),
-                array_arg(&u.handle),
-                array_arg(&errors.handle),
-                array_arg(&found.block_scales.handle),
-                array_arg(&result.block_scales.handle),
-                array_arg(&result.codes.handle),
-                Fp4BlockArgsLaunch::new(
-                    w.offset,
-                    w.row_stride,
-                    u.offset,
-                    u.row_stride,
-                    errors.offset,
-                    errors.row_stride,
-                    rows,
-                    cols,
-                    c0,
-                    b1,
-                    blocks_per_row,
-                    global_scale,
-                ),
-            );
-        }
+        nvfp4_gptq_lazy_block_kernel::launch::<R>(
+            client,
+            count.clone(),
+            dim,
+            array_arg(&w.handle),
+            array_arg(&u.handle),
+            array_arg(&errors.handle),
+            array_arg(&channel_weights.handle),
+            array_arg(&searching.shrink().handle),
+            array_arg(&result.block_scales.handle),
+            array_arg(&result.codes.handle),
+            Fp4BlockArgsLaunch::new(
+                w.offset,
+                w.row_stride,
+                u.offset,
+                u.row_stride,
+                errors.offset,
+                errors.row_stride,
+                rows,
+                cols,
+                b0,
+                b1,
+                blocks_per_row,
+                global_scale,
+            ),
+            searching.scalars(),
+        );
         if b1 < cols {
             let e = errors.window(0, b0, rows, b1 - b0)?;
             let u_rest = u.window(b0, b1, b1 - b0, cols - b1)?;
@@ -182,7 +184,7 @@ fn check_problem(
     }
 }
 
-/// The scalars of the block kernel.
+/// The scalars of the lazy-block kernel.
 #[derive(CubeLaunch, CubeType)]
 struct Fp4BlockArgs {
     w_offset: usize,
@@ -193,67 +195,77 @@ struct Fp4BlockArgs {
     e_stride: usize,
     rows: usize,
     cols: usize,
-    /// The block's first column.
-    c0: usize,
-    /// The end of the lazy block the block is in.
+    /// The lazy block's first column.
+    b0: usize,
+    /// The end of the lazy block.
     lazy_end: usize,
     blocks_per_row: usize,
     global: f32,
 }
 
-/// One unit per row: the 16 columns of the block `[c0, c0 + 16)` on the scale the search
-/// found for the row, then the block's errors subtracted from the rest of the lazy block.
+/// One unit per row, through the lazy block `[b0, lazy_end)` 16 columns at a time: the
+/// block's scale searched on the row's current values ([`search_block`]), its 16 columns
+/// quantized in order on that scale, then its errors subtracted from the rest of the lazy
+/// block. A row's blocks depend on each other only through that row's values, so one
+/// launch serves the whole lazy block.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn nvfp4_gptq_block_kernel(
+fn nvfp4_gptq_lazy_block_kernel(
     w: &mut Array<f32>,
     u: &Array<f32>,
     e: &mut Array<f32>,
-    found: &Array<u32>,
+    h: &Array<f32>,
+    shrink: &Array<f32>,
     scales: &mut Array<u32>,
     codes: &mut Array<u32>,
     args: &Fp4BlockArgs,
+    search: &SearchScalars,
 ) {
     let r = ABSOLUTE_POS;
     if r < args.rows {
-        let byte = found[r];
-        let divisor = e4m3_decode(byte) * args.global;
-        let c0 = args.c0;
         let w_row = args.w_offset + r * args.w_stride;
+        let blocks = (args.lazy_end - args.b0) / 16;
         let mut values = Array::<f32>::new(16usize);
+        let mut channel = Array::<f32>::new(16usize);
         let mut errs = Array::<f32>::new(16usize);
-        #[unroll]
-        for j in 0..16usize {
-            values[j] = w[w_row + c0 + j];
-        }
-        #[unroll]
-        for c in 0..16usize {
-            let x = values[c];
-            let (code, magnitude) = e2m1_round(x / divisor);
-            let mut q = magnitude * divisor;
-            if code >= 8 {
-                q = -q;
-            }
-            let u_row = args.u_offset + (c0 + c) * args.u_stride;
-            let err = (x - q) / u[u_row + c0 + c];
-            errs[c] = err;
-            codes[r * args.cols + c0 + c] = code;
-            e[args.e_offset + r * args.e_stride + c0 + c] = err;
+        for block in 0..blocks {
+            let c0 = args.b0 + block * 16;
             #[unroll]
             for j in 0..16usize {
-                if j > c {
-                    values[j] -= err * u[u_row + c0 + j];
-                }
+                values[j] = w[w_row + c0 + j];
+                channel[j] = h[c0 + j];
             }
-        }
-        scales[r * args.blocks_per_row + c0 / 16] = byte;
-        for j in c0 + 16..args.lazy_end {
-            let mut update = 0.0f32;
+            let (byte, _) = search_block(&values, &channel, shrink, search);
+            let divisor = e4m3_decode(byte) * args.global;
             #[unroll]
             for c in 0..16usize {
-                update += errs[c] * u[args.u_offset + (c0 + c) * args.u_stride + j];
+                let x = values[c];
+                let (code, magnitude) = e2m1_round(x / divisor);
+                let mut q = magnitude * divisor;
+                if code >= 8 {
+                    q = -q;
+                }
+                let u_row = args.u_offset + (c0 + c) * args.u_stride;
+                let err = (x - q) / u[u_row + c0 + c];
+                errs[c] = err;
+                codes[r * args.cols + c0 + c] = code;
+                e[args.e_offset + r * args.e_stride + c0 + c] = err;
+                #[unroll]
+                for j in 0..16usize {
+                    if j > c {
+                        values[j] -= err * u[u_row + c0 + j];
+                    }
+                }
             }
-            w[w_row + j] -= update;
+            scales[r * args.blocks_per_row + c0 / 16] = byte;
+            for j in c0 + 16..args.lazy_end {
+                let mut update = 0.0f32;
+                #[unroll]
+                for c in 0..16usize {
+                    update += errs[c] * u[args.u_offset + (c0 + c) * args.u_stride + j];
+                }
+                w[w_row + j] -= update;
+            }
         }
     }
 }
