@@ -158,7 +158,9 @@ pub struct Args {
     /// NVFP4 solver: `search` rounds each block with its searched scale; `gptq` runs GPTQ on
     /// the FP4 grid (the same search at each block, errors spread with the full Hessian;
     /// `--damp` and `--rtn-fallback` apply). GPTQ keeps a full Hessian per input,
-    /// as the GPTQ recipe does.
+    /// as the GPTQ recipe does. `hybrid`: GPTQ on every input narrower than its layer's
+    /// widest, the search on the widest (the MLP's down projection, whose Hessian is most of
+    /// the Hessian work).
     #[arg(long, value_enum, default_value_t = Nvfp4SolverArg::Search)]
     nvfp4_solver: Nvfp4SolverArg,
     /// Samples at or beyond this many tokens are refused (minicpm4 layers run dense attention
@@ -248,6 +250,8 @@ pub enum Nvfp4SolverArg {
     Search,
     /// GPTQ on the FP4 grid.
     Gptq,
+    /// GPTQ on the FP4 grid below each layer's widest input, the search on the widest.
+    Hybrid,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -921,6 +925,7 @@ fn options_from(
     options.nvfp4_solver = match args.nvfp4_solver {
         Nvfp4SolverArg::Search => Nvfp4Solver::BlockSearch,
         Nvfp4SolverArg::Gptq => Nvfp4Solver::Gptq,
+        Nvfp4SolverArg::Hybrid => Nvfp4Solver::Hybrid,
     };
     options.smoothing = smoothing_of(args);
     options.run.attention = AttentionMode::Dense;

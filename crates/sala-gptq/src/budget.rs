@@ -47,6 +47,41 @@ pub enum Statistics {
     Channels,
     /// Both (NVFP4 with GPTQ).
     HessiansAndChannels,
+    /// Channel statistics per input, and a full Hessian per input group narrower than its
+    /// layer's widest (NVFP4 with GPTQ below the widest input, the block search on it).
+    ChannelsAndNarrowHessians,
+}
+
+impl Statistics {
+    /// Whether an input group `width` features wide, in a layer whose widest input group is
+    /// `widest` features wide, gets a full Hessian.
+    pub fn full_hessian(self, width: usize, widest: usize) -> bool {
+        match self {
+            Statistics::Hessians | Statistics::HessiansAndChannels => true,
+            Statistics::Channels => false,
+            Statistics::ChannelsAndNarrowHessians => width < widest,
+        }
+    }
+
+    /// Whether every input gets channel statistics.
+    pub fn channels(self) -> bool {
+        self != Statistics::Hessians
+    }
+}
+
+/// The input features of each of layer `layer`'s input groups
+/// ([`sala_model::input_groups`], in their order): its first reader's.
+pub(crate) fn input_group_widths(config: &SalaConfig, layer: usize) -> Vec<usize> {
+    let specs = config.linear_specs(layer);
+    input_groups(config, layer)
+        .iter()
+        .map(|g| {
+            g.readers
+                .first()
+                .and_then(|r| specs.iter().find(|s| &s.name == r))
+                .map_or(0, |s| s.in_features)
+        })
+        .collect()
 }
 
 impl From<Recipe> for Statistics {
@@ -138,44 +173,45 @@ fn per_token_of(config: &SalaConfig, kind: LayerKind, elem: u64, chunked: bool) 
 /// statistics of its inputs), and the bytes of its solve (the statistics and the solver's
 /// work on its largest linear).
 fn fixed_of(config: &SalaConfig, layer: usize, statistics: Statistics, elem: u64) -> (u64, u64) {
-    let specs = config.linear_specs(layer);
     let weights: u64 = config
         .layer_tensor_specs(layer)
         .iter()
         .map(|t| t.shape.iter().product::<usize>() as u64 * elem)
         .sum();
-    let width_of = |reader: &str| {
-        specs
-            .iter()
-            .find(|s| s.name == reader)
-            .map_or(0, |s| s.in_features as u64)
-    };
-    let widths: Vec<u64> = input_groups(config, layer)
-        .iter()
-        .map(|g| g.readers.first().map_or(0, |r| width_of(r)))
-        .collect();
+    let widths = input_group_widths(config, layer);
     let widest = widths.iter().copied().max().unwrap_or(0);
-    let largest = specs
+    let with_hessian: Vec<u64> = widths
+        .iter()
+        .filter(|&&w| statistics.full_hessian(w, widest))
+        .map(|&w| w as u64)
+        .collect();
+    let largest = config
+        .linear_specs(layer)
         .iter()
         .map(|s| (s.out_features * s.in_features) as u64)
         .max()
         .unwrap_or(0);
     let f32 = 4;
-    // One f32 Hessian per input group. The solve: the factorisation's three square buffers
-    // and a smoothing rescale of the widest (a factor kept for the next reader of the same
-    // Hessian is the one that reader would compute, never a second); weights, codes, errors
-    // and the proxy's two buffers of the largest linear.
-    let hessians: u64 = widths.iter().map(|d| d * d * f32).sum();
-    let gptq_solve = hessians + 4 * widest * widest * f32 + 5 * largest * f32;
+    // One f32 Hessian per input group that gets one. The solve: the factorisation's three
+    // square buffers and a smoothing rescale of the widest of them (a factor kept for the next
+    // reader of the same Hessian is the one that reader would compute, never a second);
+    // weights, codes, errors and the proxy's two buffers of the largest linear.
+    let hessians: u64 = with_hessian.iter().map(|d| d * d * f32).sum();
+    let widest_hessian = with_hessian.iter().copied().max();
+    let gptq_solve = widest_hessian.map(|w| hessians + 4 * w * w * f32 + 5 * largest * f32);
     // The channel sums' row chunks (three f32 copies); the search's weights and codes of the
     // largest linear with its block scales and errors.
-    let channel_chunks = 3 * DIAGONAL_CHUNK_BYTES as u64;
+    let channel_chunks = match statistics.channels() {
+        true => 3 * DIAGONAL_CHUNK_BYTES as u64,
+        false => 0,
+    };
     let search_solve = 3 * largest * f32;
-    match statistics {
-        Statistics::Hessians => (weights + hessians, gptq_solve),
-        Statistics::Channels => (weights + channel_chunks, search_solve),
-        Statistics::HessiansAndChannels => (weights + hessians + channel_chunks, gptq_solve),
-    }
+    let solve = match (statistics, gptq_solve) {
+        (Statistics::Hessians, Some(gptq)) => gptq,
+        (_, Some(gptq)) => gptq.max(search_solve),
+        (_, None) => search_solve,
+    };
+    (weights + hessians + channel_chunks, solve)
 }
 
 /// Where the plan puts things and how large the packs are.
@@ -412,6 +448,41 @@ mod tests {
         );
         let saved = gptq.pack_bytes(131_072, 131_072) - chunked.pack_bytes(131_072, 131_072);
         assert!((3.4e9..3.6e9).contains(&(saved as f64)), "{saved}");
+    }
+
+    /// NVFP4 with GPTQ below the widest input keeps the three 4096² Hessians (0.2 GB) and
+    /// not the 16384² one: its fixed bytes are the search's plus those, and its solve is that
+    /// of a 4096-wide factor beside the largest linear's buffers.
+    #[test]
+    fn narrow_hessians_cost_a_fraction_of_all_hessians() {
+        let config = SalaConfig::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/minicpm-sala-9b-config.json"),
+        )
+        .unwrap();
+        let all = LayerFootprint::estimate(&config, Statistics::HessiansAndChannels, 2, None);
+        let search = LayerFootprint::estimate(&config, Statistics::Channels, 2, None);
+        let narrow =
+            LayerFootprint::estimate(&config, Statistics::ChannelsAndNarrowHessians, 2, None);
+        assert_eq!(narrow.fixed - search.fixed, 3 * 4096 * 4096 * 4);
+        assert!(narrow.fixed < all.fixed, "{narrow:?} vs {all:?}");
+        let largest = 16384 * 4096 * 4;
+        assert_eq!(
+            narrow.solve,
+            3 * 4096 * 4096 * 4 + 4 * 4096 * 4096 * 4 + 5 * largest
+        );
+        assert!(narrow.solve < all.solve / 3, "{narrow:?} vs {all:?}");
+    }
+
+    #[test]
+    fn which_groups_get_a_full_hessian() {
+        assert!(Statistics::Hessians.full_hessian(4096, 4096));
+        assert!(!Statistics::Hessians.channels());
+        assert!(!Statistics::Channels.full_hessian(64, 4096));
+        assert!(Statistics::HessiansAndChannels.full_hessian(16384, 16384));
+        let narrow = Statistics::ChannelsAndNarrowHessians;
+        assert!(narrow.full_hessian(4096, 16384) && !narrow.full_hessian(16384, 16384));
+        assert!(narrow.channels());
     }
 
     #[test]

@@ -5,11 +5,10 @@
 //! produce the next layer's inputs (the original scripts' quantized-input propagation).
 
 use crate::alpha_search::round_to_nearest_error;
-use crate::budget::Statistics;
 use crate::error::PipelineError;
 use crate::hidden::{HiddenBudget, HiddenLocation, HiddenStates};
 use crate::io::{LayerSink, SolvedLinear, WeightSource};
-use crate::options::{Nvfp4Solver, QuantizeOptions, Smoothing};
+use crate::options::{QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
@@ -362,7 +361,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .collect();
         let stages = capture_stages(&needed, self.options.true_sequential);
         progress.stage(Stage::Capture, self.active.len());
-        let first_kinds = self.first_capture_kinds(&groups, &needed, &stages);
+        let solver_kinds = self.solver_kinds(layer);
+        let first_kinds = self.first_capture_kinds(&groups, &needed, &stages, &solver_kinds);
         let (mut stats, accumulate, finalize) =
             self.capture(layer, &weights, &groups, &first_kinds, hidden, progress)?;
         self.release_free_pages();
@@ -384,7 +384,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 let t = Instant::now();
                 progress.stage(Stage::Capture, self.active.len());
                 let kinds: Vec<Option<StatsKind>> = (0..groups.len())
-                    .map(|g| stage.contains(&g).then(|| self.stats_kind()))
+                    .map(|g| stage.contains(&g).then_some(solver_kinds[g]))
                     .collect();
                 let (mut again, accumulate, finalize) =
                     self.capture(layer, &weights, &groups, &kinds, hidden, progress)?;
@@ -607,24 +607,36 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         Ok((finalized, accumulate, seconds_since(t)))
     }
 
-    /// The statistics the recipe's solver needs: `XᵀX` for GPTQ, per-channel for NVFP4.
-    fn stats_kind(&self) -> StatsKind {
-        match self.options.statistics() {
-            Statistics::Hessians => StatsKind::Full,
-            Statistics::Channels => StatsKind::Diagonal,
-            Statistics::HessiansAndChannels => StatsKind::FullAndChannels,
-        }
+    /// The statistics the solver of each of layer `layer`'s input groups needs (in
+    /// [`input_groups`] order): `XᵀX` for GPTQ, per-channel for NVFP4's search, both for GPTQ
+    /// on the FP4 grid ([`QuantizeOptions::statistics`]).
+    fn solver_kinds(&self, layer: usize) -> Vec<StatsKind> {
+        let statistics = self.options.statistics();
+        let widths = crate::budget::input_group_widths(self.runner.config(), layer);
+        let widest = widths.iter().copied().max().unwrap_or(0);
+        widths
+            .iter()
+            .map(
+                |&w| match (statistics.full_hessian(w, widest), statistics.channels()) {
+                    (true, false) => StatsKind::Full,
+                    (true, true) => StatsKind::FullAndChannels,
+                    (false, _) => StatsKind::Diagonal,
+                },
+            )
+            .collect()
     }
 
     /// What the first capture of a layer accumulates per input group: the solver's statistics
-    /// for the groups of the first stage; for the later stages of a true-sequential run only
-    /// what smoothing reads (per-channel statistics of the original layer), since their
-    /// solver statistics are captured again once the earlier stages are quantized.
+    /// (`solver_kinds`) for the groups of the first stage; for the later stages of a
+    /// true-sequential run only what smoothing reads (per-channel statistics of the original
+    /// layer), since their solver statistics are captured again once the earlier stages are
+    /// quantized.
     fn first_capture_kinds(
         &self,
         groups: &[InputGroup],
         needed: &[bool],
         stages: &[Vec<usize>],
+        solver_kinds: &[StatsKind],
     ) -> Vec<Option<StatsKind>> {
         let first = stages.first().map(Vec::as_slice).unwrap_or_default();
         groups
@@ -632,7 +644,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .enumerate()
             .map(|(g, group)| {
                 if first.contains(&g) {
-                    Some(self.stats_kind())
+                    Some(solver_kinds[g])
                 } else if needed[g] && self.smooths(group) {
                     Some(StatsKind::Diagonal)
                 } else {
@@ -796,8 +808,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
-            let nvfp4_gptq = self.options.nvfp4_solver == Nvfp4Solver::Gptq;
-            let read_next = next_reads_same_hessian(&planned, &group_of, nvfp4_gptq);
+            let read_next = next_reads_same_hessian(&planned, &group_of, stats);
             for (linear, read_next) in planned.into_iter().zip(read_next) {
                 let solve = LinearSolve {
                     linear: &linear,
@@ -1104,7 +1115,6 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             Some(_) => None,
             None => stats.host_hessian(&linear.name)?,
         };
-        let t = Instant::now();
         // GPTQ minimizes the full proxy `tr(ΔW H ΔWᵀ)` and the search the diagonal one: each
         // run reports (and compares with max calibration) the error its solver minimizes.
         let full_hessian = resident.is_some() || hessian.is_some();
@@ -1113,50 +1123,50 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             (None, Some(h)) => Ok(proxy_error(w, q, inp, h)),
             (None, None) => Ok(diagonal_error(w, q, &diag)),
         };
-        let options = self.options.nvfp4_gptq();
-        let gptq = match (resident, hessian.as_deref()) {
-            (Some((solver, h)), _) => {
-                Some(solver.solve_nvfp4_gptq(&options, w, out, inp, h, global))
-            }
-            (None, Some(h)) => Some(
-                self.solver
-                    .solve_nvfp4_gptq(&options, w, out, inp, h, global),
-            ),
-            (None, None) => None,
-        };
-        // The matrix from the solver's codes and scales, with its dequantized values, and its
-        // error when the solver computed it already.
-        let (matrix, dequantized, solved_error) = match gptq {
-            Some(q) => {
-                let q = q.map_err(solve_err)?;
-                report.gptq_loss = Some(q.loss);
-                report.damping_retries = q.damping_retries;
-                report.rtn_fallback = q.method == Method::RtnFallback;
-                let matrix = Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
-                    .map_err(format_err)?;
-                (matrix, q.dequantized, Some(q.proxy_error))
-            }
-            None => {
-                let search = self
-                    .solver
-                    .search_nvfp4(&self.options.nvfp4_search, w, out, inp, &diag, global)
-                    .map_err(solve_err)?;
-                let matrix =
-                    Nvfp4Matrix::from_codes(&search.codes, out, inp, global, search.block_scales)
-                        .map_err(format_err)?;
-                (matrix, search.dequantized, None)
+        // The report's max-calibration baseline needs only the weights: its host part runs
+        // on a thread of its own while the solver works (on a device, the host would wait).
+        let max_calibration = |w: &[f32]| match full_hessian {
+            true => Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
+                .map(|max| MaxCalibration::Dequantized(max.dequantize())),
+            false => {
+                max_calibration_diagonal_error(w, global, &diag).map(MaxCalibration::DiagonalError)
             }
         };
-        report.add_step("solve", seconds_since(t));
-        if self.options.compare_rtn {
+        let weights: &[f32] = w;
+        let (solved, baseline) = std::thread::scope(|scope| {
+            let baseline = self
+                .options
+                .compare_rtn
+                .then(|| scope.spawn(|| max_calibration(weights)));
             let t = Instant::now();
-            let baseline = match full_hessian {
-                true => {
-                    let max = Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
-                        .map_err(format_err)?;
-                    error_of(&max.dequantize())?
-                }
-                false => max_calibration_diagonal_error(w, global, &diag).map_err(format_err)?,
+            let solved = self.nvfp4_solution(
+                weights,
+                out,
+                inp,
+                global,
+                resident,
+                hessian.as_deref(),
+                &diag,
+                report,
+            );
+            report.add_step("solve", seconds_since(t));
+            let t = Instant::now();
+            let baseline = baseline.map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            });
+            (solved, baseline.map(|b| (b, t)))
+        });
+        let Nvfp4Solution {
+            matrix,
+            dequantized,
+            error: solved_error,
+        } = solved?;
+        if let Some((baseline, t)) = baseline {
+            let baseline = match baseline.map_err(format_err)? {
+                MaxCalibration::Dequantized(max) => error_of(&max)?,
+                MaxCalibration::DiagonalError(error) => error,
             };
             report.baseline_output_error = Some(baseline);
             report.add_step("baseline", seconds_since(t));
@@ -1170,6 +1180,74 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         w.copy_from_slice(&dequantized);
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
         Ok(SolvedLinear::Nvfp4(matrix, input_scale))
+    }
+
+    /// NVFP4's solver on one linear: GPTQ on the FP4 grid where there is a full Hessian
+    /// (`resident` on the device, else `hessian` on the host), else the block search on the
+    /// diagonal `diag`.
+    #[allow(clippy::too_many_arguments)]
+    fn nvfp4_solution(
+        &self,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+        global: f32,
+        resident: Option<ResidentProblem<'_, B>>,
+        hessian: Option<&Hessian<f64>>,
+        diag: &[f32],
+        report: &mut LinearReport,
+    ) -> Result<Nvfp4Solution, PipelineError> {
+        let name = report.name.clone();
+        let format_err = |source| PipelineError::Format {
+            linear: name.clone(),
+            source,
+        };
+        let solve_err = |source| PipelineError::Solve {
+            linear: name.clone(),
+            source,
+        };
+        let options = self.options.nvfp4_gptq();
+        let gptq = match (resident, hessian) {
+            (Some((solver, h)), _) => {
+                Some(solver.solve_nvfp4_gptq(&options, w, out, inp, h, global))
+            }
+            (None, Some(h)) => Some(
+                self.solver
+                    .solve_nvfp4_gptq(&options, w, out, inp, h, global),
+            ),
+            (None, None) => None,
+        };
+        // The matrix from the solver's codes and scales, with its dequantized values, and its
+        // error when the solver computed it already.
+        match gptq {
+            Some(q) => {
+                let q = q.map_err(solve_err)?;
+                report.gptq_loss = Some(q.loss);
+                report.damping_retries = q.damping_retries;
+                report.rtn_fallback = q.method == Method::RtnFallback;
+                let matrix = Nvfp4Matrix::from_codes(&q.codes, out, inp, global, q.block_scales)
+                    .map_err(format_err)?;
+                Ok(Nvfp4Solution {
+                    matrix,
+                    dequantized: q.dequantized,
+                    error: Some(q.proxy_error),
+                })
+            }
+            None => {
+                let search = self
+                    .solver
+                    .search_nvfp4(&self.options.nvfp4_search, w, out, inp, diag, global)
+                    .map_err(solve_err)?;
+                let matrix =
+                    Nvfp4Matrix::from_codes(&search.codes, out, inp, global, search.block_scales)
+                        .map_err(format_err)?;
+                Ok(Nvfp4Solution {
+                    matrix,
+                    dequantized: search.dequantized,
+                    error: None,
+                })
+            }
+        }
     }
 
     /// NVFP4 global scales: one per fused group (q/k/v, gate/up: the max of the members'
@@ -1279,18 +1357,22 @@ struct LinearSolve<'a> {
     read_next: bool,
 }
 
-/// For each of `planned` (in solve order), whether it and the next one are both GPTQ
-/// (integer, or NVFP4 when `nvfp4_gptq`) on the same input group's Hessian: the solver may
-/// then keep the Hessian's damped factor for the next one.
-fn next_reads_same_hessian(
+/// For each of `planned` (in solve order), whether it and the next one are both GPTQ on the
+/// same input group's Hessian (a linear is GPTQ when its group has a full Hessian: integer
+/// linears always, NVFP4 ones per [`QuantizeOptions::statistics`]): the solver may then keep
+/// the Hessian's damped factor for the next one.
+fn next_reads_same_hessian<B: Backend>(
     planned: &[PlannedLinear],
     group_of: &BTreeMap<&str, usize>,
-    nvfp4_gptq: bool,
+    stats: &[Option<Finalized<B>>],
 ) -> Vec<bool> {
-    let gptq_group = |l: &PlannedLinear| match l.treatment {
-        Treatment::Int { .. } => group_of.get(l.name.as_str()).copied(),
-        Treatment::Nvfp4 if nvfp4_gptq => group_of.get(l.name.as_str()).copied(),
-        _ => None,
+    let gptq_group = |l: &PlannedLinear| {
+        group_of.get(l.name.as_str()).copied().filter(|&g| {
+            stats
+                .get(g)
+                .and_then(Option::as_ref)
+                .is_some_and(Finalized::has_hessian)
+        })
     };
     let groups: Vec<Option<usize>> = planned.iter().map(gptq_group).collect();
     (0..groups.len())
@@ -1301,6 +1383,28 @@ fn next_reads_same_hessian(
             },
         )
         .collect()
+}
+
+/// A resident solver and the device Hessian it solves with.
+type ResidentProblem<'a, B> = (&'a Arc<dyn ResidentSolver<B>>, ResidentHessian<'a, B>);
+
+/// One NVFP4 linear's solution ([`Engine::solve_linear`]'s NVFP4 solvers).
+struct Nvfp4Solution {
+    /// The codes and block scales.
+    matrix: Nvfp4Matrix,
+    /// Their dequantized values, `[out, in]`.
+    dequantized: Vec<f32>,
+    /// The proxy error GPTQ computed on the way; `None` for the block search (its diagonal
+    /// error is computed by the caller).
+    error: Option<f64>,
+}
+
+/// The host's part of NVFP4's max-calibration baseline ([`Engine::solve_nvfp4`]).
+enum MaxCalibration {
+    /// The max-calibrated weights dequantized, for the full proxy error.
+    Dequantized(Vec<f32>),
+    /// The diagonal proxy error itself.
+    DiagonalError(f64),
 }
 
 /// One linear's result from [`Engine::solve_linear`].

@@ -127,6 +127,12 @@ pub enum Nvfp4Solver {
     /// and the rounding errors spread over the later columns with the full Hessian
     /// ([`Nvfp4Gptq`]; damping, lazy block size and the RTN fallback from [`GptqOptions`]).
     Gptq,
+    /// GPTQ on the FP4 grid for every input group narrower than its layer's widest, the block
+    /// search for the widest (the MLP's down projection in a transformer layer). The widest
+    /// group's Hessian is most of the Hessian work (16384² of the 9B model's 3 × 4096² +
+    /// 16384²: 84%), and most of GPTQ's gain over the search comes from the other linears
+    /// (docs/quality.md).
+    Hybrid,
 }
 
 /// All options of a run.
@@ -243,12 +249,14 @@ impl QuantizeOptions {
     }
 
     /// Which statistics the run accumulates: full Hessians for GPTQ, channel statistics for
-    /// NVFP4's block search, both for NVFP4 with [`Nvfp4Solver::Gptq`].
+    /// NVFP4's block search, both for NVFP4 with [`Nvfp4Solver::Gptq`], and with
+    /// [`Nvfp4Solver::Hybrid`] Hessians only below each layer's widest input.
     pub fn statistics(&self) -> Statistics {
         match (self.plan.recipe, self.nvfp4_solver) {
             (Recipe::Gptq, _) => Statistics::Hessians,
             (Recipe::Nvfp4, Nvfp4Solver::BlockSearch) => Statistics::Channels,
             (Recipe::Nvfp4, Nvfp4Solver::Gptq) => Statistics::HessiansAndChannels,
+            (Recipe::Nvfp4, Nvfp4Solver::Hybrid) => Statistics::ChannelsAndNarrowHessians,
         }
     }
 

@@ -152,6 +152,9 @@ pub(crate) fn fingerprint(
             match o.nvfp4_solver {
                 crate::Nvfp4Solver::BlockSearch => format!("{:?}", o.nvfp4_search),
                 crate::Nvfp4Solver::Gptq => format!("{:?} in GPTQ", o.nvfp4_search),
+                crate::Nvfp4Solver::Hybrid => {
+                    format!("{:?} in GPTQ below the widest input", o.nvfp4_search)
+                }
             },
         ),
         (

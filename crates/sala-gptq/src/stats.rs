@@ -422,6 +422,11 @@ impl<B: Backend> Finalized<B> {
         Ok(())
     }
 
+    /// Whether a full Hessian was accumulated (on the host or the device).
+    pub(crate) fn has_hessian(&self) -> bool {
+        !matches!(self, Finalized::Diagonal(_))
+    }
+
     /// The channel statistics, where they were accumulated.
     pub(crate) fn channels(&self) -> Option<&ChannelStats> {
         match self {

@@ -378,6 +378,40 @@ fn nvfp4_gptq_on_device_hessians_reaches_the_resident_solver() {
     }
 }
 
+/// NVFP4's hybrid with device statistics: every linear but the widest input's (`down_proj`,
+/// 512 inputs against 256) goes to the resident solver's GPTQ with its device Hessian; the
+/// block search takes `down_proj` on its channel statistics (no Hessian accumulated for it).
+#[test]
+fn nvfp4_hybrid_sends_all_but_the_widest_input_to_gptq() {
+    let mut options = QuantizeOptions::new(Recipe::Nvfp4);
+    options.device_statistics = true;
+    options.nvfp4_solver = Nvfp4Solver::Hybrid;
+    let resident = Arc::new(DownloadingResident::default());
+    let host_solver = Recording::default();
+    let report = run_with(&options, &host_solver, Some(resident.clone()));
+    let gptq: Vec<bool> = report
+        .linears
+        .iter()
+        .map(|l| !l.name.ends_with("mlp.down_proj"))
+        .collect();
+    let searched = gptq.iter().filter(|&&g| !g).count();
+    assert!(searched > 0 && searched < gptq.len());
+    assert_eq!(resident.calls.load(Ordering::SeqCst), gptq.len() - searched);
+    assert_eq!(host_solver.nvfp4.borrow().len(), searched);
+    assert!(host_solver.nvfp4_gptq.borrow().is_empty());
+    let expected: Vec<bool> = next_reads_same_input(&report)
+        .into_iter()
+        .zip(&gptq)
+        .filter(|(_, &g)| g)
+        .map(|(flag, _)| flag)
+        .collect();
+    assert_eq!(*resident.read_next.lock().unwrap(), expected);
+    for (l, &g) in report.linears.iter().zip(&gptq) {
+        assert_eq!(l.gptq_loss.is_some(), g, "{}", l.name);
+        assert!(l.baseline_output_error.is_some(), "{}", l.name);
+    }
+}
+
 /// Running the samples as one pack (the default) quantizes like running them one at a time:
 /// the same statistics up to f32 summation order in the layers' products.
 #[test]
