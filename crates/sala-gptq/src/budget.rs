@@ -206,11 +206,8 @@ fn fixed_of(config: &SalaConfig, layer: usize, statistics: Statistics, elem: u64
         false => 0,
     };
     let search_solve = 3 * largest * f32;
-    let solve = match (statistics, gptq_solve) {
-        (Statistics::Hessians, Some(gptq)) => gptq,
-        (_, Some(gptq)) => gptq.max(search_solve),
-        (_, None) => search_solve,
-    };
+    // Where both solvers run, the larger of their work buffers.
+    let solve = gptq_solve.map_or(search_solve, |gptq| gptq.max(search_solve));
     (weights + hessians + channel_chunks, solve)
 }
 
@@ -398,6 +395,15 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The 9B model's configuration, bundled with the fixtures.
+    fn full_size_config() -> SalaConfig {
+        SalaConfig::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/minicpm-sala-9b-config.json"),
+        )
+        .unwrap()
+    }
+
     fn footprint(per_token: u64, fixed: u64) -> LayerFootprint {
         LayerFootprint {
             per_token,
@@ -411,11 +417,7 @@ mod tests {
     /// 115 kB per token (the MLP's moment: input, residual, gate, up, SwiGLU).
     #[test]
     fn full_size_footprint_matches_the_counted_buffers() {
-        let config = SalaConfig::from_file(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/minicpm-sala-9b-config.json"),
-        )
-        .unwrap();
+        let config = full_size_config();
         let gptq = LayerFootprint::estimate(&config, Recipe::Gptq, 2, None);
         assert_eq!(gptq.per_token, 2 * (2 * 4096 + 3 * 16384));
         // Hessians 3·4096² + 16384² f32 (1.27 GB) and weights of about 0.57 GB while packs
@@ -455,11 +457,7 @@ mod tests {
     /// of a 4096-wide factor beside the largest linear's buffers.
     #[test]
     fn narrow_hessians_cost_a_fraction_of_all_hessians() {
-        let config = SalaConfig::from_file(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/minicpm-sala-9b-config.json"),
-        )
-        .unwrap();
+        let config = full_size_config();
         let all = LayerFootprint::estimate(&config, Statistics::HessiansAndChannels, 2, None);
         let search = LayerFootprint::estimate(&config, Statistics::Channels, 2, None);
         let narrow =
