@@ -20,7 +20,6 @@
 //!   instead, which rounds exactly like the reference's separate multiply and add.
 
 use cubecl::prelude::*;
-use rayon::prelude::*;
 use sala_formats::minifloat::{E2M1_MAX, E4M3_MAX, E4M3_MIN_POSITIVE};
 use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{HessianError, Nvfp4BlockSearch, Nvfp4SearchResult};
@@ -77,18 +76,8 @@ impl DeviceBlockSearch {
         let block_scales = download_block_scales(client, transfer, &self.block_scales, self.cols)?;
         let block_error = transfer.download_f32(client, &self.block_error)?;
         let codes: Vec<u8> = self.codes.download_low_bytes_with(client, transfer)?;
-        // Blocks in parallel: a layer of the 9B model has 280 M codes.
-        let mut dequantized = vec![0f32; codes.len()];
-        dequantized
-            .par_chunks_mut(NVFP4_BLOCK)
-            .zip(codes.par_chunks(NVFP4_BLOCK))
-            .zip(block_scales.par_iter())
-            .for_each(|((values, block), &byte)| {
-                let divisor = sala_formats::nvfp4::block_divisor(byte, self.global_scale);
-                for (v, &c) in values.iter_mut().zip(block) {
-                    *v = sala_formats::minifloat::e2m1_decode(c) * divisor;
-                }
-            });
+        let dequantized =
+            sala_formats::nvfp4::dequantize_codes(&codes, &block_scales, self.global_scale);
         Ok(Nvfp4SearchResult {
             rows: self.rows,
             cols: self.cols,

@@ -89,6 +89,27 @@ pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
         .collect())
 }
 
+/// Dequantizes unpacked E2M1 `codes` (one per element, row-major, a multiple of 16 of them)
+/// with one E4M3 byte of `block_scales` per 16 codes: `e2m1(code) · block_divisor(byte,
+/// global_scale)`, what [`Nvfp4Matrix::dequantize`] computes from the packed form, for
+/// solvers that return codes unpacked (blocks in parallel: a layer of the 9B model has 280 M
+/// codes). Codes past the last whole block or its scale are left out.
+pub fn dequantize_codes(codes: &[u8], block_scales: &[u8], global_scale: f32) -> Vec<f32> {
+    let blocks = (codes.len() / NVFP4_BLOCK).min(block_scales.len());
+    let mut out = vec![0f32; blocks * NVFP4_BLOCK];
+    out.par_chunks_mut(NVFP4_BLOCK)
+        .zip(codes.par_chunks_exact(NVFP4_BLOCK))
+        .zip(block_scales.par_iter())
+        .with_min_len(1024)
+        .for_each(|((values, block), &byte)| {
+            let divisor = block_divisor(byte, global_scale);
+            for (v, &c) in values.iter_mut().zip(block) {
+                *v = e2m1_decode(c) * divisor;
+            }
+        });
+    out
+}
+
 /// Unpacks bytes into E2M1 codes (two per byte, low nibble first).
 pub fn unpack_e2m1(packed: &[u8]) -> Vec<u8> {
     packed.iter().flat_map(|&b| [b & 0xF, b >> 4]).collect()
@@ -290,6 +311,25 @@ pub fn quantize_rows_into(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unpacked_codes_dequantize_like_the_packed_matrix() {
+        let (rows, cols) = (5, 48);
+        let codes: Vec<u8> = (0..rows * cols).map(|k| (k * 11 % 16) as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / 16)
+            .map(|b| (b * 37 % 127) as u8)
+            .collect();
+        let g = global_scale_from_amax(2.0).unwrap();
+        let matrix = Nvfp4Matrix::from_codes(&codes, rows, cols, g, scales.clone()).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&dequantize_codes(&codes, &scales, g)),
+            bits(&matrix.dequantize())
+        );
+        // A partial block and a missing scale are left out.
+        assert_eq!(dequantize_codes(&codes[..40], &scales, g).len(), 32);
+        assert_eq!(dequantize_codes(&codes, &scales[..2], g).len(), 32);
+    }
 
     #[test]
     fn global_scale_is_amax_over_2688() {

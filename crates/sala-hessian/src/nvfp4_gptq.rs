@@ -9,7 +9,7 @@
 
 use faer::MatRef;
 use sala_formats::minifloat::{e2m1_decode, e2m1_encode_fast};
-use sala_formats::nvfp4::block_divisor;
+use sala_formats::nvfp4::{block_divisor, dequantize_codes};
 use sala_formats::NVFP4_BLOCK;
 
 use crate::block_search::Nvfp4BlockSearch;
@@ -199,7 +199,7 @@ impl Nvfp4Gptq {
         retries: usize,
         proxy_error: impl FnOnce(&[f32]) -> Result<f64, HessianError>,
     ) -> Result<Nvfp4GptqResult, HessianError> {
-        let dequantized = dequantize(&sol.codes, &sol.params_rows, prepared.global_scale);
+        let dequantized = dequantize_codes(&sol.codes, &sol.params_rows, prepared.global_scale);
         Ok(Nvfp4GptqResult {
             rows: prepared.rows,
             cols: prepared.columns.order.len(),
@@ -384,16 +384,4 @@ pub(crate) fn zero_dead_columns(w: &mut [f32], cols: usize, dead: &[bool]) {
             *v = 0.0;
         }
     }
-}
-
-/// The values of row-major E2M1 `codes` under their blocks' scale bytes (one per 16 codes).
-pub(crate) fn dequantize(codes: &[u8], scales: &[u8], global_scale: f32) -> Vec<f32> {
-    codes
-        .chunks_exact(NVFP4_BLOCK)
-        .zip(scales)
-        .flat_map(|(block, &scale)| {
-            let divisor = block_divisor(scale, global_scale);
-            block.iter().map(move |&code| e2m1_decode(code) * divisor)
-        })
-        .collect()
 }
