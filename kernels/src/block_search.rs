@@ -277,16 +277,16 @@ struct BlockSearchArgs {
 #[derive(CubeLaunch, CubeType)]
 pub(crate) struct SearchScalars {
     /// Candidates per block.
-    iters: usize,
+    pub(crate) iters: usize,
     /// `6 · global_scale` (the max-calibration divisor).
-    six_global: f32,
-    global: f32,
+    pub(crate) six_global: f32,
+    pub(crate) global: f32,
     /// Error exponent `p`.
-    p: f32,
+    pub(crate) p: f32,
     /// A runtime 1.0 that keeps FMA contraction exact (see the module documentation).
-    one: f32,
+    pub(crate) one: f32,
     /// `f32::INFINITY`, the initial best error (WGSL has no infinity literal).
-    infinity: f32,
+    pub(crate) infinity: f32,
 }
 
 /// One unit per `(row, block)`: the candidate loop, then the chosen scale's codes.
@@ -339,6 +339,19 @@ pub(crate) fn search_block(
     shrink: &Array<f32>,
     search: &SearchScalars,
 ) -> (u32, f32) {
+    let (init, finite) = max_scale(values, search);
+    let (index, err) = search_candidates(values, channel, shrink, search, init, 0, 1);
+    let mut best_err = err;
+    if !finite {
+        best_err = search.infinity;
+    }
+    (chosen_byte(init, shrink, search, index, finite), best_err)
+}
+
+/// The max-calibration scale of a block, `amax / (6 · global)`, and whether its 16 `values`
+/// are all finite.
+#[cube]
+pub(crate) fn max_scale(values: &Array<f32>, search: &SearchScalars) -> (f32, bool) {
     let mut amax = 0.0f32;
     let mut finite = true;
     #[unroll]
@@ -352,28 +365,77 @@ pub(crate) fn search_block(
             amax = a;
         }
     }
-    let init = amax / search.six_global;
-    let mut best_byte = 0u32;
+    (amax / search.six_global, finite)
+}
+
+/// The candidates `first, first + stride, …` of a block whose max-calibration scale is
+/// `init`: the index of the first with the smallest error among them, and that error
+/// (`search.iters` and infinity when none has a finite error). A candidate whose E4M3 byte
+/// equals its predecessor's is skipped, as the host does, so that a team of `stride` units
+/// dealing the candidates round-robin evaluates each distinct byte exactly once; the team's
+/// choice is then the least error, the lowest index among equal ones ([`chosen_byte`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn search_candidates(
+    values: &Array<f32>,
+    channel: &Array<f32>,
+    shrink: &Array<f32>,
+    search: &SearchScalars,
+    init: f32,
+    first: usize,
+    stride: usize,
+) -> (usize, f32) {
+    let mut best_index = search.iters;
     let mut best_err = search.infinity;
+    let mut i = first;
     let mut previous = 256u32;
-    for i in 0..search.iters {
-        let byte = e4m3_encode(clamp_scale(init * shrink[i]));
+    if i > 0 && i < search.iters {
+        previous = candidate_byte(init, shrink[i - 1]);
+    }
+    while i < search.iters {
+        let byte = candidate_byte(init, shrink[i]);
         if byte != previous {
-            previous = byte;
             let divisor = e4m3_decode(byte) * search.global;
             let err = block_error(values, channel, divisor, search.p, search.one);
             if err < best_err {
                 best_err = err;
-                best_byte = byte;
+                best_index = i;
             }
         }
+        previous = byte;
+        if stride > 1 && i + stride < search.iters {
+            previous = candidate_byte(init, shrink[i + stride - 1]);
+        }
+        i += stride;
+    }
+    (best_index, best_err)
+}
+
+/// The E4M3 byte of candidate `index` (`search.iters`, no candidate, gives byte 0, as the
+/// host does), or [`E4M3_NAN_CODE`] for a block that is not `finite`.
+#[cube]
+pub(crate) fn chosen_byte(
+    init: f32,
+    shrink: &Array<f32>,
+    search: &SearchScalars,
+    index: usize,
+    finite: bool,
+) -> u32 {
+    let mut byte = 0u32;
+    if index < search.iters {
+        byte = candidate_byte(init, shrink[index]);
     }
     if !finite {
         // The E4M3 NaN byte marks the block for `download` (which reports an error).
-        best_byte = E4M3_NAN_CODE;
-        best_err = search.infinity;
+        byte = E4M3_NAN_CODE;
     }
-    (best_byte, best_err)
+    byte
+}
+
+/// Candidate `init · shrink` clamped and rounded to an E4M3 byte.
+#[cube]
+fn candidate_byte(init: f32, shrink: f32) -> u32 {
+    e4m3_encode(clamp_scale(init * shrink))
 }
 
 /// `clamp(s, 2⁻⁹, 448)` (NaN-free: `s` comes from finite or infinite values only), as

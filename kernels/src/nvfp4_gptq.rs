@@ -6,19 +6,23 @@
 //! The inputs are the host's prepared problem: `W [rows, cols]` in natural column order
 //! (an NVFP4 block is 16 consecutive stored columns) with dead columns zeroed, and `U
 //! [cols, cols]`, the upper Cholesky factor of the damped `H⁻¹`. For each lazy block
-//! `[b0, b1)` (a multiple of 16 columns), one launch of the lazy-block kernel, one unit per
-//! row, goes through each 16-column block `[c0, c0 + 16)` of it in order:
+//! `[b0, b1)` (a multiple of 16 columns), one launch of the lazy-block kernel goes through
+//! each 16-column block `[c0, c0 + 16)` of it in order. A team of [`LANES`] units serves
+//! each row, unit `l` owning the columns `c0 + l` of every block:
 //!
-//! 1. the search's candidate loop chooses the row's scale for the block on its current
-//!    values (the block search's own code, [`crate::block_search`]);
-//! 2. the block's 16 columns are quantized in order (`e = (w − q)/U[c,c]`, `w[j] −= e·U[c,j]`
-//!    for the block's later columns), the codes, the scale byte and `E` written, and the
-//!    block's errors subtracted from the rest of the lazy block,
+//! 1. the team's units publish the block's current values through shared memory, and each
+//!    tries the search's candidates `l, l + 16, …` (the block search's own candidate loop,
+//!    [`crate::block_search`]); the team keeps the least error, the first among equal ones,
+//!    which is the host's choice;
+//! 2. every unit quantizes the block's 16 columns in order on that scale (`e = (w − q)/U[c,c]`,
+//!    `w[j] −= e·U[c,j]` for the block's later columns: the same arithmetic in each unit, so
+//!    the same errors, and no barrier per column); unit `l` writes column `c0 + l`'s code and
+//!    error, and subtracts the block's errors from its columns in the rest of the lazy block,
 //!    `W[:, c0+16:b1] −= E_block · U[c0:c0+16, c0+16:b1]`;
 //!
-//! then `W[:, b1:] −= E · U[b0:b1, b1:]` through the caller's [`Gemm`]. (One launch per lazy
-//! block, not two per 16 columns: on the H200 the two launches per block took 84.6 ms per
-//! 4096² linear, five times GPTQ's integer loop.)
+//! then `W[:, b1:] −= E · U[b0:b1, b1:]` through the caller's [`Gemm`]. (On the H200 two
+//! launches per 16 columns took 84.6 ms per 4096² linear, five times GPTQ's integer loop;
+//! one launch per lazy block with one unit per row filled 16 of its 132 SMs.)
 //!
 //! The differences from the host loop are f32 summation orders (the host's lazy blocks are
 //! the same, its outer blocks are not), which flip a rare code at a rounding boundary or a
@@ -29,14 +33,21 @@ use sala_formats::NVFP4_BLOCK;
 use sala_hessian::{ColumnSolution, HessianError, Nvfp4BlockSearch};
 
 use crate::block_search::{
-    download_block_scales, e2m1_round, e4m3_decode, search_block, SearchLaunch, SearchScalars,
+    chosen_byte, download_block_scales, e2m1_round, e4m3_decode, max_scale, search_candidates,
+    SearchLaunch, SearchScalars,
 };
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
 use crate::gptq::launch_column_loss;
-use crate::launch::elementwise;
+use crate::launch::cube_count;
 use crate::solver::Transfer;
+
+/// Units that share one row in the lazy-block kernel: one per column of a 16-column block.
+pub const LANES: usize = NVFP4_BLOCK;
+
+/// Rows (teams of [`LANES`] units) per cube when the device allows `LANES · 8` units.
+const ROWS_PER_CUBE: usize = 8;
 
 /// [`nvfp4_gptq_solve`]'s output, on the device.
 #[derive(Clone, Debug)]
@@ -107,7 +118,9 @@ pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
     let errors = MatrixView::zeros(client, rows, cols)?;
     let channel_weights = DeviceVec::upload(client, channel_weights);
     let searching = SearchLaunch::new(client, search, global_scale);
-    let (count, dim) = elementwise(client, rows)?;
+    let rows_per_cube = rows_per_cube(client)?;
+    let count = cube_count(client, rows.div_ceil(rows_per_cube))?;
+    let dim = CubeDim::new_2d(LANES as u32, rows_per_cube as u32);
     let mut b0 = 0;
     while b0 < cols {
         let b1 = (b0 + block).min(cols);
@@ -137,6 +150,7 @@ pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
                 global_scale,
             ),
             searching.scalars(),
+            rows_per_cube,
         );
         if b1 < cols {
             let e = errors.window(0, b0, rows, b1 - b0)?;
@@ -149,6 +163,18 @@ pub fn nvfp4_gptq_solve<R: Runtime, G: Gemm<R>>(
     launch_column_loss(client, &errors, &result.column_loss)?;
     flush(client, "nvfp4 gptq")?;
     Ok(result)
+}
+
+/// Teams per cube within the device's units per cube.
+fn rows_per_cube<R: Runtime>(client: &ComputeClient<R>) -> Result<usize, KernelError> {
+    let units = client.properties().hardware.max_units_per_cube as usize;
+    if units < LANES {
+        return Err(KernelError::unsupported(
+            "nvfp4 gptq",
+            format!("the device allows {units} units per cube, the kernel needs {LANES}"),
+        ));
+    }
+    Ok(ROWS_PER_CUBE.min(units / LANES))
 }
 
 /// The shapes [`nvfp4_gptq_solve`] accepts.
@@ -203,11 +229,13 @@ struct Fp4BlockArgs {
     global: f32,
 }
 
-/// One unit per row, through the lazy block `[b0, lazy_end)` 16 columns at a time: the
-/// block's scale searched on the row's current values ([`search_block`]), its 16 columns
-/// quantized in order on that scale, then its errors subtracted from the rest of the lazy
-/// block. A row's blocks depend on each other only through that row's values, so one
-/// launch serves the whole lazy block.
+/// A team of [`LANES`] units per row (`UNIT_POS_X` the unit, `UNIT_POS_Y` the row in the
+/// cube), through the lazy block `[b0, lazy_end)` 16 columns at a time: the block's scale
+/// searched on the row's current values (the candidates dealt round-robin to the team), its 16
+/// columns quantized in order on that scale by every unit, then each unit's columns of the
+/// rest of the lazy block updated. A row's blocks depend on each other only through that
+/// row's values, and unit `l` owns column `l` of every block, so the only barriers are the
+/// two of the search per block.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn nvfp4_gptq_lazy_block_kernel(
@@ -220,52 +248,88 @@ fn nvfp4_gptq_lazy_block_kernel(
     codes: &mut Array<u32>,
     args: &Fp4BlockArgs,
     search: &SearchScalars,
+    #[comptime] rows: usize,
 ) {
-    let r = ABSOLUTE_POS;
-    if r < args.rows {
-        let w_row = args.w_offset + r * args.w_stride;
-        let blocks = (args.lazy_end - args.b0) / 16;
-        let mut values = Array::<f32>::new(16usize);
-        let mut channel = Array::<f32>::new(16usize);
-        let mut errs = Array::<f32>::new(16usize);
-        for block in 0..blocks {
-            let c0 = args.b0 + block * 16;
+    let lane = UNIT_POS_X as usize;
+    let local = UNIT_POS_Y as usize;
+    let r = CUBE_POS * rows + local;
+    // Rows past the end still reach every barrier.
+    let valid = r < args.rows;
+    let team = local * 16;
+    let mut shared_values = SharedMemory::<f32>::new(rows * 16);
+    let mut shared_error = SharedMemory::<f32>::new(rows * 16);
+    let mut shared_index = SharedMemory::<u32>::new(rows * 16);
+    let w_row = args.w_offset + r * args.w_stride;
+    let e_row = args.e_offset + r * args.e_stride;
+    let blocks = (args.lazy_end - args.b0) / 16;
+    let mut values = Array::<f32>::new(16usize);
+    let mut channel = Array::<f32>::new(16usize);
+    let mut errs = Array::<f32>::new(16usize);
+    for block in 0..blocks {
+        let c0 = args.b0 + block * 16;
+        let mut own = 0.0f32;
+        if valid {
+            own = w[w_row + c0 + lane];
+        }
+        shared_values[team + lane] = own;
+        sync_cube();
+        #[unroll]
+        for j in 0..16usize {
+            values[j] = shared_values[team + j];
+            channel[j] = h[c0 + j];
+        }
+        let (init, finite) = max_scale(&values, search);
+        let (index, err) = search_candidates(&values, &channel, shrink, search, init, lane, LANES);
+        shared_error[team + lane] = err;
+        shared_index[team + lane] = index as u32;
+        // Also orders this block's reads of `shared_values` before the next block's writes.
+        sync_cube();
+        let mut best_err = shared_error[team];
+        let mut best = shared_index[team];
+        for k in 1..16usize {
+            let other_err = shared_error[team + k];
+            let other = shared_index[team + k];
+            if other_err < best_err || (other_err == best_err && other < best) {
+                best_err = other_err;
+                best = other;
+            }
+        }
+        let byte = chosen_byte(init, shrink, search, best as usize, finite);
+        let divisor = e4m3_decode(byte) * args.global;
+        #[unroll]
+        for c in 0..16usize {
+            let x = values[c];
+            let (code, magnitude) = e2m1_round(x / divisor);
+            let mut q = magnitude * divisor;
+            if code >= 8 {
+                q = -q;
+            }
+            let u_row = args.u_offset + (c0 + c) * args.u_stride;
+            let err = (x - q) / u[u_row + c0 + c];
+            errs[c] = err;
+            if valid && lane == c {
+                codes[r * args.cols + c0 + c] = code;
+                e[e_row + c0 + c] = err;
+            }
             #[unroll]
             for j in 0..16usize {
-                values[j] = w[w_row + c0 + j];
-                channel[j] = h[c0 + j];
+                if j > c {
+                    values[j] -= err * u[u_row + c0 + j];
+                }
             }
-            let (byte, _) = search_block(&values, &channel, shrink, search);
-            let divisor = e4m3_decode(byte) * args.global;
+        }
+        if valid && lane == 0 {
+            scales[r * args.blocks_per_row + c0 / 16] = byte;
+        }
+        let mut j = c0 + 16 + lane;
+        while valid && j < args.lazy_end {
+            let mut update = 0.0f32;
             #[unroll]
             for c in 0..16usize {
-                let x = values[c];
-                let (code, magnitude) = e2m1_round(x / divisor);
-                let mut q = magnitude * divisor;
-                if code >= 8 {
-                    q = -q;
-                }
-                let u_row = args.u_offset + (c0 + c) * args.u_stride;
-                let err = (x - q) / u[u_row + c0 + c];
-                errs[c] = err;
-                codes[r * args.cols + c0 + c] = code;
-                e[args.e_offset + r * args.e_stride + c0 + c] = err;
-                #[unroll]
-                for j in 0..16usize {
-                    if j > c {
-                        values[j] -= err * u[u_row + c0 + j];
-                    }
-                }
+                update += errs[c] * u[args.u_offset + (c0 + c) * args.u_stride + j];
             }
-            scales[r * args.blocks_per_row + c0 / 16] = byte;
-            for j in c0 + 16..args.lazy_end {
-                let mut update = 0.0f32;
-                #[unroll]
-                for c in 0..16usize {
-                    update += errs[c] * u[args.u_offset + (c0 + c) * args.u_stride + j];
-                }
-                w[w_row + j] -= update;
-            }
+            w[w_row + j] -= update;
+            j += LANES;
         }
     }
 }

@@ -4,7 +4,7 @@
 use sala_formats::nvfp4::global_scale_from_amax;
 use sala_hessian::reference::nvfp4_block_search_naive;
 use sala_hessian::{HessianError, Nvfp4BlockSearch, Nvfp4SearchResult};
-use sala_kernels::{nvfp4_block_search, KernelError, MatrixView};
+use sala_kernels::{nvfp4_block_search, nvfp4_gptq_solve, CubeGemm, KernelError, MatrixView};
 
 use crate::common::{client, device_client, Rng};
 
@@ -137,6 +137,73 @@ fn a_zero_diagonal_and_a_single_candidate_match_too() {
         assert_eq!(gpu.block_scales, cpu.block_scales, "{search:?}");
         assert_eq!(gpu.codes, cpu.codes, "{search:?}");
         assert_errors_close(&gpu, &cpu, 1e-5);
+    }
+}
+
+/// NVFP4's GPTQ loop with the identity as the factor of `H⁻¹` spreads no error, so each
+/// 16-column block is searched on the original weights: its scales and codes are the block
+/// search's, byte for byte. This checks the loop's team search (the candidates dealt to 16
+/// units, the least error and the first among equal ones kept) against the host's sequential
+/// one, with partial cubes (37 rows), lazy blocks of one, two and eight 16-column blocks (the
+/// last one cut short), fewer candidates than units, and one candidate.
+#[test]
+fn gptq_with_the_identity_factor_is_the_block_search() {
+    if client().is_none() {
+        return;
+    }
+    let client = device_client();
+    let mut rng = Rng::new(22);
+    let (rows, cols) = (37, 320);
+    let mut w = special_weight(&mut rng, rows, cols);
+    let diag_h = diag(&mut rng, cols);
+    // Every candidate ties at zero error where the only nonzero weights have zero channel
+    // weight (columns 0 and 13): the first candidate must win.
+    w[..16].fill(0.0);
+    (w[0], w[13]) = (0.3, -0.7);
+    let amax = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let global = global_scale_from_amax(amax).unwrap();
+    let identity: Vec<f32> = (0..cols * cols)
+        .map(|k| if k / cols == k % cols { 1.0 } else { 0.0 })
+        .collect();
+    let u = MatrixView::upload(&client, &identity, cols, cols).unwrap();
+    let searches = [
+        Nvfp4BlockSearch::default(),
+        Nvfp4BlockSearch {
+            iters: 7,
+            ..Default::default()
+        },
+        Nvfp4BlockSearch {
+            iters: 1,
+            ..Default::default()
+        },
+    ];
+    for search in searches {
+        let cpu = nvfp4_block_search_naive(&search, &w, rows, cols, &diag_h, global).unwrap();
+        let channel = search.channel_weights(cols, &diag_h, global).unwrap();
+        for lazy in [16, 32, 128] {
+            let view = MatrixView::upload(&client, &w, rows, cols).unwrap();
+            let gpu = nvfp4_gptq_solve(
+                &client, &CubeGemm, &view, &u, &channel, global, &search, lazy,
+            )
+            .unwrap();
+            let scales: Vec<u8> = gpu
+                .block_scales
+                .download(&client)
+                .unwrap()
+                .into_iter()
+                .map(|b| b as u8)
+                .collect();
+            let codes: Vec<u8> = gpu
+                .codes
+                .download(&client)
+                .unwrap()
+                .into_iter()
+                .map(|c| c as u8)
+                .collect();
+            let label = format!("{search:?}, lazy block {lazy}");
+            assert_eq!(scales, cpu.block_scales, "{label}");
+            assert_eq!(codes, cpu.codes, "{label}");
+        }
     }
 }
 
