@@ -239,6 +239,35 @@ impl ResidentSolver<sala_gptq::CudaBackend> for CudaResident {
             .solve_nvfp4_gptq_resident(solver, weights, rows, cols, h, global_scale)
     }
 
+    fn solve_nvfp4_gptq_with_baseline(
+        &self,
+        solver: &sala_gptq::hessian::Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: sala_gptq::ResidentHessian<'_, sala_gptq::CudaBackend>,
+        global_scale: f32,
+    ) -> Result<sala_gptq::Nvfp4WithBaseline, sala_gptq::hessian::HessianError> {
+        let matrix = device_view(h.tensor)?;
+        let (quantized, baseline) = self.0.solve_nvfp4_gptq_resident_with_baseline(
+            solver,
+            true,
+            weights,
+            rows,
+            cols,
+            resident_hessian(&matrix, h),
+            global_scale,
+        )?;
+        let baseline = baseline.ok_or_else(|| {
+            sala_gptq::hessian::HessianError::Device("no max-calibration baseline".into())
+        })?;
+        Ok(sala_gptq::Nvfp4WithBaseline {
+            quantized,
+            baseline_proxy_error: baseline.proxy_error,
+            baseline_seconds: baseline.seconds,
+        })
+    }
+
     fn proxy_error(
         &self,
         weights: &[f32],

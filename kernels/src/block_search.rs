@@ -524,6 +524,20 @@ pub(crate) fn e2m1_round(x: f32) -> (u32, f32) {
     (index, magnitude)
 }
 
+/// The magnitude of an E2M1 code's low three bits (`e2m1_decode` without the sign).
+#[cube]
+pub(crate) fn e2m1_magnitude(code: u32) -> f32 {
+    let index = code % 8;
+    let mut magnitude = f32::cast_from(index) * 0.5;
+    if index >= 5 {
+        magnitude = f32::cast_from(index - 2);
+    }
+    if index == 7 {
+        magnitude = 6.0;
+    }
+    magnitude
+}
+
 /// `Σ_j |w_j − deq_j|^p · h_j` of one block under `divisor`, in element order.
 #[cube]
 fn block_error(values: &Array<f32>, channel: &Array<f32>, divisor: f32, p: f32, one: f32) -> f32 {

@@ -36,7 +36,9 @@ use crate::gemm::Gemm;
 use crate::gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult, MAX_BLOCK};
 use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
 use crate::nvfp4_gptq::nvfp4_gptq_solve;
-use crate::weight_error::{gather_columns, gptq_weight_error, rtn_weight_error};
+use crate::weight_error::{
+    gather_columns, gptq_weight_error, nvfp4_weight_error, rtn_weight_error,
+};
 
 /// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
 /// `a⁻¹` (`Uᵀ·U = a⁻¹`, strict lower triangle zero), of the symmetric device matrix `a`.
@@ -118,7 +120,8 @@ impl<R: Runtime> UpperFactorizer for Uploading<R> {
 }
 
 /// The proxy output error of round-to-nearest beside a GPTQ solve (the report's baseline),
-/// from [`DeviceSolver::solve_gptq_resident_with_baseline`].
+/// from [`DeviceSolver::solve_gptq_resident_with_baseline`], or of max calibration beside
+/// GPTQ on the NVFP4 grid ([`DeviceSolver::solve_nvfp4_gptq_resident_with_baseline`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RtnBaseline {
     /// `tr(D·H·Dᵀ)`, `D = W − RTN(W)`.
@@ -423,6 +426,33 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         h: ResidentHessian<'_>,
         global_scale: f32,
     ) -> Result<Nvfp4GptqResult, HessianError> {
+        let (q, _) = self.solve_nvfp4_gptq_resident_with_baseline(
+            solver,
+            false,
+            weights,
+            rows,
+            cols,
+            h,
+            global_scale,
+        )?;
+        Ok(q)
+    }
+
+    /// [`solve_nvfp4_gptq_resident`](Self::solve_nvfp4_gptq_resident), and with `baseline`
+    /// the proxy output error of max calibration (every block scale `amax / (6 · global)`,
+    /// the report's baseline) under the same Hessian. The weights are uploaded once: the
+    /// baseline's codes, both weight errors and both proxy errors are computed on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn solve_nvfp4_gptq_resident_with_baseline(
+        &self,
+        solver: &Nvfp4Gptq,
+        baseline: bool,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: ResidentHessian<'_>,
+        global_scale: f32,
+    ) -> Result<(Nvfp4GptqResult, Option<RtnBaseline>), HessianError> {
         let kept = self.take_kept_factor();
         let ResidentHessian {
             matrix: h,
@@ -433,6 +463,21 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             let prepared = solver.prepare(weights, rows, cols, &diag, global_scale)?;
             Ok((diag, prepared))
         })?;
+        // The original weights stay on the device until the proxy errors are known.
+        let w_view = self.timed("upload weights", || Ok(self.upload(weights, rows, cols)?))?;
+        let baseline = match baseline {
+            true => {
+                let start = std::time::Instant::now();
+                let proxy_error = self.timed("baseline proxy error", || {
+                    self.max_calibration_proxy_error(solver, &w_view, h, global_scale)
+                })?;
+                Some(RtnBaseline {
+                    proxy_error,
+                    seconds: start.elapsed().as_secs_f64(),
+                })
+            }
+            false => None,
+        };
         let proxy = |q: &[f32]| {
             self.timed("proxy error", || {
                 self.proxy_error(h, weights, q, rows, cols)
@@ -442,19 +487,22 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         let Some((upper, attempt)) =
             self.shared_factor(kept, h, columns, &solver.damping, &diag)?
         else {
-            return match solver.on_failure {
+            let q = match solver.on_failure {
                 FailurePolicy::Error => Err(solver.damping.exhausted(columns.mean_diag)),
                 FailurePolicy::Rtn => solver.search_fallback(weights, &prepared, proxy),
-            };
+            }?;
+            return Ok((q, baseline));
         };
-        let w = self.timed("upload weights", || {
-            Ok(self.upload(&columns.dead_zeroed(weights, cols), rows, cols)?)
+        let w_loop = self.timed("loop weights", || {
+            let sources: Vec<Option<usize>> =
+                (0..cols).map(|j| (!columns.dead[j]).then_some(j)).collect();
+            Ok(gather_columns(&self.client, &w_view, &sources)?)
         })?;
         let found = self.timed("column loop", || {
             Ok(nvfp4_gptq_solve(
                 &self.client,
                 &self.gemm,
-                &w,
+                &w_loop,
                 &upper,
                 &prepared.channel_weights,
                 global_scale,
@@ -462,7 +510,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 solver.lazy_block(cols),
             )?)
         })?;
-        drop(w);
+        drop(w_loop);
         if read_next {
             self.keep_factor(KeptFactor {
                 order: columns.order.clone(),
@@ -472,10 +520,47 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
                 diag,
             });
         }
+        let proxy_error = self.timed("proxy error", || {
+            let d = nvfp4_weight_error(
+                &self.client,
+                &w_view,
+                &found.codes,
+                &found.block_scales,
+                global_scale,
+            )?;
+            self.proxy_error_of(&d, h)
+        })?;
+        drop(w_view);
         let sol = self.timed("download codes", || {
             Ok(found.download_with(&self.client, self.transfer.as_ref())?)
         })?;
-        solver.finish(&prepared, sol, attempt.retries, proxy)
+        let q = solver.finish(&prepared, sol, attempt.retries, |_| Ok(proxy_error))?;
+        Ok((q, baseline))
+    }
+
+    /// The proxy output error under `h` of max calibration of the device weight `w` on
+    /// `solver`'s grid: the block search with one candidate (`amax / (6 · global)`), its
+    /// weight error and `tr(D·H·Dᵀ)`, all on the device.
+    fn max_calibration_proxy_error(
+        &self,
+        solver: &Nvfp4Gptq,
+        w: &MatrixView,
+        h: &MatrixView,
+        global_scale: f32,
+    ) -> Result<f64, HessianError> {
+        let max = Nvfp4BlockSearch {
+            iters: 1,
+            ..solver.search
+        };
+        let found = nvfp4_block_search(&self.client, w, &vec![0.0; w.cols], global_scale, &max)?;
+        let d = nvfp4_weight_error(
+            &self.client,
+            w,
+            &found.codes,
+            &found.block_scales,
+            global_scale,
+        )?;
+        self.proxy_error_of(&d, h)
     }
 
     /// `tr(D·H·Dᵀ)`, `D = W − Q`, of `weights` and `dequantized` (`[rows, cols]`, host) under

@@ -1,7 +1,9 @@
 //! What a solve needs of a weight uploaded once: its columns in GPTQ's loop order
 //! ([`gather_columns`]), and the weight error `D = W − Q` of a quantization where `W` already
 //! is: of GPTQ's device result ([`gptq_weight_error`]) and of plain round-to-nearest
-//! ([`rtn_weight_error`], the report's baseline). With the Hessian on the device, the proxy
+//! ([`rtn_weight_error`], the report's baseline), and of NVFP4 codes and block scales
+//! ([`nvfp4_weight_error`]: GPTQ on the FP4 grid and max calibration). With the Hessian on
+//! the device, the proxy
 //! output error `tr(D·H·Dᵀ)` then needs no host difference and no second upload.
 //!
 //! Each `Q` is computed as the host computes it (`scale · (code − zero)`, codes and group
@@ -11,6 +13,9 @@
 use cubecl::prelude::*;
 use sala_formats::IntQuantizer;
 
+use sala_formats::NVFP4_BLOCK;
+
+use crate::block_search::{e2m1_magnitude, e4m3_decode};
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::gptq::{group_params, quantize, scheme_code, widen, DeviceGptqResult};
@@ -163,6 +168,49 @@ pub fn rtn_weight_error<R: Runtime>(
     Ok(d)
 }
 
+/// `D = W − Q` `[rows, cols]` of NVFP4 `codes` (E2M1 in the low 4 bits, `[rows, cols]`) and
+/// `block_scales` (E4M3 bytes, `[rows, cols/16]`) under `global_scale`:
+/// `Q = e2m1(code) · (e4m3(byte) · global_scale)`, what `sala_formats::nvfp4` dequantizes,
+/// so `D` is the host's `W − Q` bit for bit.
+pub fn nvfp4_weight_error<R: Runtime>(
+    client: &ComputeClient<R>,
+    w: &MatrixView,
+    codes: &DeviceVec<u32>,
+    block_scales: &DeviceVec<u32>,
+    global_scale: f32,
+) -> Result<MatrixView, KernelError> {
+    w.check("nvfp4_weight_error weights")?;
+    let (rows, cols) = (w.rows, w.cols);
+    if cols % NVFP4_BLOCK != 0
+        || codes.len != rows * cols
+        || block_scales.len != rows * cols / NVFP4_BLOCK
+    {
+        return Err(KernelError::shape(
+            "nvfp4_weight_error",
+            format!(
+                "a {rows}×{cols} weight with {} codes and {} block scales",
+                codes.len, block_scales.len
+            ),
+        ));
+    }
+    check_addressable("nvfp4_weight_error", rows * cols)?;
+    let d = dense(client, rows, cols);
+    if rows * cols > 0 {
+        let (count, dim) = elementwise(client, rows * cols)?;
+        nvfp4_error_kernel::launch::<R>(
+            client,
+            count,
+            dim,
+            array_arg(&w.handle),
+            array_arg(&codes.handle),
+            array_arg(&block_scales.handle),
+            array_arg(&d.handle),
+            Nvfp4ErrorArgsLaunch::new(w.offset, w.row_stride, rows, cols, global_scale, 1.0),
+        );
+    }
+    Ok(d)
+}
+
 /// The source of a zeroed column in [`gather_columns_kernel`].
 const ZERO_COLUMN: u32 = u32::MAX;
 
@@ -281,5 +329,39 @@ fn rtn_error_kernel(w: &Array<f32>, d: &mut Array<f32>, args: &RtnErrorArgs) {
             let code = quantize(x, scale, zero, args.maxq);
             d[r * args.cols + c] = x - (scale * (code - zero)) * args.one;
         }
+    }
+}
+
+/// The scalars of [`nvfp4_error_kernel`].
+#[derive(CubeLaunch, CubeType)]
+struct Nvfp4ErrorArgs {
+    w_offset: usize,
+    w_stride: usize,
+    rows: usize,
+    cols: usize,
+    global: f32,
+    /// A runtime 1.0 (see [`GptqErrorArgs`]).
+    one: f32,
+}
+
+/// One unit per element: `w − ±(|e2m1(code)| · divisor)` of its block's divisor.
+#[cube(launch)]
+fn nvfp4_error_kernel(
+    w: &Array<f32>,
+    codes: &Array<u32>,
+    scales: &Array<u32>,
+    d: &mut Array<f32>,
+    args: &Nvfp4ErrorArgs,
+) {
+    let idx = ABSOLUTE_POS;
+    if idx < args.rows * args.cols {
+        let (r, c) = (idx / args.cols, idx % args.cols);
+        let divisor = e4m3_decode(scales[idx / 16]) * args.global;
+        let code = codes[idx];
+        let mut q = (e2m1_magnitude(code) * divisor) * args.one;
+        if code >= 8 {
+            q = -q;
+        }
+        d[idx] = w[args.w_offset + r * args.w_stride + c] - q;
     }
 }

@@ -1123,8 +1123,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             (None, Some(h)) => Ok(proxy_error(w, q, inp, h)),
             (None, None) => Ok(diagonal_error(w, q, &diag)),
         };
-        // The report's max-calibration baseline needs only the weights: its host part runs
-        // on a thread of its own while the solver works (on a device, the host would wait).
+        // The report's max-calibration baseline: a resident solver computes it on the device
+        // beside its solve; otherwise its host part runs on a thread of its own while the
+        // solver works (on a device, the host would wait).
+        let device_baseline = self.options.compare_rtn && resident.is_some();
         let max_calibration = |w: &[f32]| match full_hessian {
             true => Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
                 .map(|max| MaxCalibration::Dequantized(max.dequantize())),
@@ -1134,9 +1136,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         };
         let weights: &[f32] = w;
         let (solved, baseline) = std::thread::scope(|scope| {
-            let baseline = self
-                .options
-                .compare_rtn
+            let baseline = (self.options.compare_rtn && !device_baseline)
                 .then(|| scope.spawn(|| max_calibration(weights)));
             let t = Instant::now();
             let solved = self.nvfp4_solution(
@@ -1144,12 +1144,17 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 out,
                 inp,
                 global,
-                resident,
+                resident.map(|r| (r, device_baseline)),
                 hessian.as_deref(),
                 &diag,
                 report,
             );
-            report.add_step("solve", seconds_since(t));
+            let device_seconds = solved
+                .as_ref()
+                .ok()
+                .and_then(|s| s.baseline)
+                .map_or(0.0, |(_, seconds)| seconds);
+            report.add_step("solve", seconds_since(t) - device_seconds);
             let t = Instant::now();
             let baseline = baseline.map(|handle| {
                 handle
@@ -1162,7 +1167,12 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             matrix,
             dequantized,
             error: solved_error,
+            baseline: solved_baseline,
         } = solved?;
+        if let Some((error, seconds)) = solved_baseline {
+            report.baseline_output_error = Some(error);
+            report.add_step("baseline", seconds);
+        }
         if let Some((baseline, t)) = baseline {
             let baseline = match baseline.map_err(format_err)? {
                 MaxCalibration::Dequantized(max) => error_of(&max)?,
@@ -1183,7 +1193,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     }
 
     /// NVFP4's solver on one linear: GPTQ on the FP4 grid where there is a full Hessian
-    /// (`resident` on the device, else `hessian` on the host), else the block search on the
+    /// (`resident` on the device, with the report's max-calibration baseline computed there
+    /// when its flag says so; else `hessian` on the host), else the block search on the
     /// diagonal `diag`.
     #[allow(clippy::too_many_arguments)]
     fn nvfp4_solution(
@@ -1192,7 +1203,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         out: usize,
         inp: usize,
         global: f32,
-        resident: Option<ResidentProblem<'_, B>>,
+        resident: Option<(ResidentProblem<'_, B>, bool)>,
         hessian: Option<&Hessian<f64>>,
         diag: &[f32],
         report: &mut LinearReport,
@@ -1208,12 +1219,23 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         };
         let options = self.options.nvfp4_gptq();
         let gptq = match (resident, hessian) {
-            (Some((solver, h)), _) => {
-                Some(solver.solve_nvfp4_gptq(&options, w, out, inp, h, global))
-            }
+            (Some(((solver, h), true)), _) => Some(
+                solver
+                    .solve_nvfp4_gptq_with_baseline(&options, w, out, inp, h, global)
+                    .map(|q| {
+                        let baseline = (q.baseline_proxy_error, q.baseline_seconds);
+                        (q.quantized, Some(baseline))
+                    }),
+            ),
+            (Some(((solver, h), false)), _) => Some(
+                solver
+                    .solve_nvfp4_gptq(&options, w, out, inp, h, global)
+                    .map(|q| (q, None)),
+            ),
             (None, Some(h)) => Some(
                 self.solver
-                    .solve_nvfp4_gptq(&options, w, out, inp, h, global),
+                    .solve_nvfp4_gptq(&options, w, out, inp, h, global)
+                    .map(|q| (q, None)),
             ),
             (None, None) => None,
         };
@@ -1221,7 +1243,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         // error when the solver computed it already.
         match gptq {
             Some(q) => {
-                let q = q.map_err(solve_err)?;
+                let (q, baseline) = q.map_err(solve_err)?;
                 report.gptq_loss = Some(q.loss);
                 report.damping_retries = q.damping_retries;
                 report.rtn_fallback = q.method == Method::RtnFallback;
@@ -1231,6 +1253,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                     matrix,
                     dequantized: q.dequantized,
                     error: Some(q.proxy_error),
+                    baseline,
                 })
             }
             None => {
@@ -1245,6 +1268,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                     matrix,
                     dequantized: search.dequantized,
                     error: None,
+                    baseline: None,
                 })
             }
         }
@@ -1397,6 +1421,8 @@ struct Nvfp4Solution {
     /// The proxy error GPTQ computed on the way; `None` for the block search (its diagonal
     /// error is computed by the caller).
     error: Option<f64>,
+    /// The max-calibration baseline's proxy error and seconds, where the solver computed it.
+    baseline: Option<(f64, f64)>,
 }
 
 /// The host's part of NVFP4's max-calibration baseline ([`Engine::solve_nvfp4`]).

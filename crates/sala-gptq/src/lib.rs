@@ -72,7 +72,7 @@ pub use report::{
     LayerOps, LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds,
     StageTotals,
 };
-pub use resident::{ResidentHessian, ResidentSolver, WithBaseline};
+pub use resident::{Nvfp4WithBaseline, ResidentHessian, ResidentSolver, WithBaseline};
 pub use resume::file_hash;
 /// The solve stage's seam (from `sala-hessian`).
 pub use sala_hessian::solver::{self, CpuSolver, LinearSolver};

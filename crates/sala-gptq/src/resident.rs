@@ -6,6 +6,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::{
     GptqConfig, HessianError, IntGrid, Nvfp4Gptq, Nvfp4GptqResult, QuantizedLinear, UnfinishedGptq,
 };
@@ -100,6 +101,30 @@ pub trait ResidentSolver<B: Backend> {
         global_scale: f32,
     ) -> Result<Nvfp4GptqResult, HessianError>;
 
+    /// [`solve_nvfp4_gptq`](Self::solve_nvfp4_gptq), and the proxy output error of max
+    /// calibration under the same Hessian (the report's baseline), with the seconds the
+    /// baseline took: a solver that uploads the weights once for both overrides it. Default:
+    /// max calibration on the host, its error through [`proxy_error`](Self::proxy_error).
+    fn solve_nvfp4_gptq_with_baseline(
+        &self,
+        solver: &Nvfp4Gptq,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        h: ResidentHessian<'_, B>,
+        global_scale: f32,
+    ) -> Result<Nvfp4WithBaseline, HessianError> {
+        let quantized = self.solve_nvfp4_gptq(solver, weights, rows, cols, h, global_scale)?;
+        let start = std::time::Instant::now();
+        let max = Nvfp4Matrix::quantize(weights, rows, cols, global_scale, BlockScales::Max)?;
+        let baseline_proxy_error = self.proxy_error(weights, &max.dequantize(), h.tensor)?;
+        Ok(Nvfp4WithBaseline {
+            quantized,
+            baseline_proxy_error,
+            baseline_seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
     /// `tr(D·H·Dᵀ)`, `D = W − Q`, of `weights` and `dequantized` (row-major `[rows, cols]`,
     /// host) under the device Hessian `h` `[cols, cols]`: the report's baselines.
     fn proxy_error(
@@ -124,6 +149,18 @@ pub struct WithBaseline {
     pub quantized: UnfinishedGptq,
     /// The baseline's proxy output error `tr(D·H·Dᵀ)`.
     pub baseline_proxy_error: Option<f64>,
+    /// Wall seconds spent on the baseline (part of the call's).
+    pub baseline_seconds: f64,
+}
+
+/// GPTQ on the NVFP4 grid with the report's max-calibration baseline
+/// ([`ResidentSolver::solve_nvfp4_gptq_with_baseline`]).
+#[derive(Debug)]
+pub struct Nvfp4WithBaseline {
+    /// The GPTQ result.
+    pub quantized: Nvfp4GptqResult,
+    /// The baseline's proxy output error `tr(D·H·Dᵀ)`.
+    pub baseline_proxy_error: f64,
     /// Wall seconds spent on the baseline (part of the call's).
     pub baseline_seconds: f64,
 }

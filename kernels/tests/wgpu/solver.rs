@@ -3,7 +3,7 @@
 //! searches.
 
 use sala_formats::nvfp4::global_scale_from_amax;
-use sala_formats::{ClipSearch, IntScheme};
+use sala_formats::{BlockScales, ClipSearch, IntScheme, Nvfp4Matrix};
 use sala_hessian::faer::Mat;
 use sala_hessian::layout::square_to_row_major;
 use sala_hessian::reference::inverse_upper_textbook;
@@ -328,6 +328,32 @@ fn resident_nvfp4_gptq_matches_the_host_and_shares_the_factor() {
             .unwrap();
         assert_nvfp4_gptq_close(gpu, &cpu, w, &h, "resident");
     }
+
+    // With the report's baseline: the same result, and max calibration's proxy error as the
+    // host computes it.
+    let h_alone = ResidentHessian {
+        matrix: &h_device,
+        read_next: false,
+    };
+    let (with_baseline, baseline) = device
+        .solve_nvfp4_gptq_resident_with_baseline(
+            &options,
+            true,
+            &linears[0],
+            rows,
+            cols,
+            h_alone,
+            global,
+        )
+        .unwrap();
+    assert_eq!(with_baseline, alone[0]);
+    let max = Nvfp4Matrix::quantize(&linears[0], rows, cols, global, BlockScales::Max)
+        .unwrap()
+        .dequantize();
+    let host = sala_hessian::proxy_error(&linears[0], &max, cols, &h);
+    let baseline = baseline.expect("a baseline").proxy_error;
+    assert!(relative(baseline, host) < 1e-4, "{baseline} vs {host}");
+    calls.swap(0, Ordering::SeqCst);
 
     // One factor for both linears, and the same results as alone.
     let shared = [resident(&linears[0], true), resident(&linears[1], false)];

@@ -1,11 +1,12 @@
 //! The loop-order gather and the weight errors `W − Q` on the device against the host's
 //! permutation, dequantization and round-to-nearest, bit for bit.
 
-use sala_formats::{IntQuantizer, IntScheme};
+use sala_formats::nvfp4::global_scale_from_amax;
+use sala_formats::{BlockScales, IntQuantizer, IntScheme, Nvfp4Matrix};
 use sala_hessian::{IntGrid, Rtn};
 use sala_kernels::{
-    gather_columns, gptq_weight_error, rtn_weight_error, DeviceGptqResult, DeviceVec, KernelError,
-    MatrixView,
+    gather_columns, gptq_weight_error, nvfp4_weight_error, rtn_weight_error, DeviceGptqResult,
+    DeviceVec, KernelError, MatrixView,
 };
 
 use crate::common::{client, Rng};
@@ -165,4 +166,53 @@ fn rtn_weight_error_is_the_host_round_to_nearest() {
             assert_eq!(got, expected, "{grid:?}");
         }
     }
+}
+
+/// NVFP4 codes and block scales of every kind (both signs of each E2M1 code, subnormal and
+/// normal E4M3 bytes, byte 0): `W − Q` on the device is the host's `W − dequantize` bit for
+/// bit, and a wrong shape is an error.
+#[test]
+fn nvfp4_weight_error_is_the_host_dequantization() {
+    let Some(client) = client() else {
+        return;
+    };
+    let mut rng = Rng::new(64);
+    let (rows, cols) = (9, 64);
+    let w: Vec<f32> = (0..rows * cols).map(|_| 0.1 * rng.normal()).collect();
+    let codes: Vec<u8> = (0..rows * cols).map(|k| (k * 7 % 16) as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 16)
+        .map(|b| [0u8, 1, 7, 8, 0x38, 0x5A, 0x7E][b % 7])
+        .collect();
+    let global = global_scale_from_amax(3.0).unwrap();
+    let host = Nvfp4Matrix::from_codes(&codes, rows, cols, global, scales.clone())
+        .unwrap()
+        .dequantize();
+    let expected: Vec<f32> = w.iter().zip(&host).map(|(a, b)| a - b).collect();
+    let as_words = |bytes: &[u8]| bytes.iter().map(|&b| u32::from(b)).collect::<Vec<u32>>();
+    let codes = DeviceVec::upload(&client, &as_words(&codes));
+    let scales = DeviceVec::upload(&client, &as_words(&scales));
+    let view = windowed(&client, &w, rows, cols);
+    let got = nvfp4_weight_error(&client, &view, &codes, &scales, global)
+        .unwrap()
+        .download(&client)
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    assert_eq!(bits(&got), bits(&expected));
+
+    // Max calibration's codes, as the host quantizes them.
+    let max = Nvfp4Matrix::quantize(&w, rows, cols, global, BlockScales::Max).unwrap();
+    let expected: Vec<f32> = w.iter().zip(max.dequantize()).map(|(a, b)| a - b).collect();
+    let codes = DeviceVec::upload(&client, &as_words(&max.codes()));
+    let scales = DeviceVec::upload(&client, &as_words(&max.block_scales));
+    let got = nvfp4_weight_error(&client, &view, &codes, &scales, global)
+        .unwrap()
+        .download(&client)
+        .unwrap();
+    assert_eq!(got, expected);
+
+    let short = view.window(0, 0, rows, cols - 16).unwrap();
+    assert!(matches!(
+        nvfp4_weight_error(&client, &short, &codes, &scales, global),
+        Err(KernelError::Shape { .. })
+    ));
 }
