@@ -900,17 +900,7 @@ fn clip_search_kernel(
     shared_index[local * TEAM + lane] = best;
     sync_cube();
     if valid && lane == 0 {
-        let first = local * TEAM;
-        let mut error = shared_error[first];
-        let mut index = shared_index[first];
-        for k in 1..TEAM {
-            let e = shared_error[first + k];
-            let i = shared_index[first + k];
-            if e < error || (e == error && i < index) {
-                error = e;
-                index = i;
-            }
-        }
+        let (_, mut index) = team_least_error(&shared_error, &shared_index, local * TEAM, TEAM);
         if index >= args.candidates {
             // Every error NaN (the inputs are checked finite before a solve): the plain range.
             index = 0;
@@ -927,6 +917,29 @@ fn clip_search_kernel(
         scales[at] = scale;
         zeros[at] = u32::cast_from(zero);
     }
+}
+
+/// The least of a team's `team` errors in shared memory from `first` on, and its index: the
+/// lowest index among equal errors, so that a search whose candidates were dealt to the team
+/// round-robin keeps the candidate a sequential loop would (a NaN error never wins).
+#[cube]
+pub(crate) fn team_least_error(
+    errors: &SharedMemory<f32>,
+    indices: &SharedMemory<u32>,
+    first: usize,
+    #[comptime] team: usize,
+) -> (f32, u32) {
+    let mut error = errors[first];
+    let mut index = indices[first];
+    for k in 1..team {
+        let e = errors[first + k];
+        let i = indices[first + k];
+        if e < error || (e == error && i < index) {
+            error = e;
+            index = i;
+        }
+    }
+    (error, index)
 }
 
 /// `IntQuantizer::params_from_range`: `(scale, zero)` of a group of range `[lo, hi]` on the

@@ -39,7 +39,7 @@ use crate::block_search::{
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::{flush, KernelError};
 use crate::gemm::Gemm;
-use crate::gptq::launch_column_loss;
+use crate::gptq::{launch_column_loss, team_least_error};
 use crate::launch::cube_count;
 use crate::solver::Transfer;
 
@@ -284,16 +284,7 @@ fn nvfp4_gptq_lazy_block_kernel(
         shared_index[team + lane] = index as u32;
         // Also orders this block's reads of `shared_values` before the next block's writes.
         sync_cube();
-        let mut best_err = shared_error[team];
-        let mut best = shared_index[team];
-        for k in 1..16usize {
-            let other_err = shared_error[team + k];
-            let other = shared_index[team + k];
-            if other_err < best_err || (other_err == best_err && other < best) {
-                best_err = other_err;
-                best = other;
-            }
-        }
+        let (_, best) = team_least_error(&shared_error, &shared_index, team, LANES);
         let byte = chosen_byte(init, shrink, search, best as usize, finite);
         let divisor = e4m3_decode(byte) * args.global;
         #[unroll]

@@ -186,20 +186,8 @@ fn gptq_with_the_identity_factor_is_the_block_search() {
                 &client, &CubeGemm, &view, &u, &channel, global, &search, lazy,
             )
             .unwrap();
-            let scales: Vec<u8> = gpu
-                .block_scales
-                .download(&client)
-                .unwrap()
-                .into_iter()
-                .map(|b| b as u8)
-                .collect();
-            let codes: Vec<u8> = gpu
-                .codes
-                .download(&client)
-                .unwrap()
-                .into_iter()
-                .map(|c| c as u8)
-                .collect();
+            let scales = gpu.block_scales.download_low_bytes(&client).unwrap();
+            let codes = gpu.codes.download_low_bytes(&client).unwrap();
             let label = format!("{search:?}, lazy block {lazy}");
             assert_eq!(scales, cpu.block_scales, "{label}");
             assert_eq!(codes, cpu.codes, "{label}");
