@@ -158,7 +158,7 @@ pub fn row_dots<R: Runtime>(
 }
 
 /// Units per cube of the one-cube-per-row reductions.
-fn cube_units<R: Runtime>(client: &ComputeClient<R>) -> u32 {
+pub(crate) fn cube_units<R: Runtime>(client: &ComputeClient<R>) -> u32 {
     UNITS_PER_CUBE.min(client.properties().hardware.max_units_per_cube)
 }
 
@@ -260,7 +260,6 @@ fn row_dots_kernel(
     cols: usize,
     #[comptime] units: usize,
 ) {
-    let mut partial = SharedMemory::<f32>::new(units);
     let row_index = CUBE_POS;
     let row = select(row_index < rows, row_index, 0);
     let mut sum = 0.0f32;
@@ -269,15 +268,24 @@ fn row_dots_kernel(
         sum += a[a_offset + row * a_stride + c] * b[b_offset + row * b_stride + c];
         c += units;
     }
-    partial[UNIT_POS as usize] = sum;
+    let total = sum_over_units(sum, units);
+    if UNIT_POS == 0 && row_index < rows {
+        out[row_index] = total;
+    }
+}
+
+/// The cube's `units` partial sums added in unit order (the total is unit 0's; every unit
+/// must call it, once per kernel, since it holds a barrier).
+#[cube]
+pub(crate) fn sum_over_units(partial_sum: f32, #[comptime] units: usize) -> f32 {
+    let mut partial = SharedMemory::<f32>::new(units);
+    partial[UNIT_POS as usize] = partial_sum;
     sync_cube();
+    let mut total = 0.0f32;
     if UNIT_POS == 0 {
-        let mut total = 0.0f32;
         for u in 0..units {
             total += partial[u];
         }
-        if row_index < rows {
-            out[row_index] = total;
-        }
     }
+    total
 }

@@ -20,7 +20,7 @@
 //! - [`weight_error`]: a weight uploaded once in GPTQ's loop order ([`gather_columns`]) and
 //!   the weight error `W − Q` of GPTQ, of round-to-nearest and of NVFP4 codes where `W` is
 //!   ([`gptq_weight_error`], [`rtn_weight_error`], [`nvfp4_weight_error`]), for the proxy
-//!   error on the device;
+//!   error on the device, and NVFP4's diagonal proxy error ([`nvfp4_diagonal_error`]);
 //! - [`solver`]: [`DeviceSolver`], the pipeline's `LinearSolver` seam on the device, and GPTQ
 //!   on a device Hessian ([`DeviceSolver::solve_gptq_resident`], [`DeviceFactorizer`]);
 //! - [`flip`]: `P·M·P`, `P` the reversal ([`flip::reversed`]), for the cuSOLVER
@@ -70,7 +70,9 @@ pub use hessian::{accumulate_xtx, xtx_lower_blocks, XtxBlocking, XtxBlocks};
 pub use nvfp4_gptq::{nvfp4_gptq_solve, DeviceNvfp4Gptq};
 pub use softmax::{causal_softmax_rows, SoftmaxShape};
 pub use solver::{DeviceFactorizer, DeviceSolver, ResidentHessian, RtnBaseline, Transfer};
-pub use weight_error::{gather_columns, gptq_weight_error, nvfp4_weight_error, rtn_weight_error};
+pub use weight_error::{
+    gather_columns, gptq_weight_error, nvfp4_diagonal_error, nvfp4_weight_error, rtn_weight_error,
+};
 
 /// A fingerprint of this crate's kernel sources (16 hex digits, computed at build time): key
 /// an on-disk cache of compiled kernels by it. CubeCL's own PTX cache keys a kernel by its

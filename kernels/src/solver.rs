@@ -26,10 +26,11 @@ use sala_hessian::{
     BlockedLoop, ColumnProblem, ColumnSolution, DampingAttempt, FaerFactorizer, FailurePolicy,
     Gptq, GptqColumnLoop, GptqConfig, GptqPreparation, Hessian, HessianError, HessianScalar,
     LinearSolver, Nvfp4BlockSearch, Nvfp4ColumnLoop, Nvfp4Columns, Nvfp4Gptq, Nvfp4GptqResult,
-    Nvfp4SearchResult, QuantizedLinear, Rtn, StepSeconds, UnfinishedGptq, UpperFactorizer,
+    Nvfp4SearchErrors, Nvfp4SearchResult, QuantizedLinear, Rtn, StepSeconds, UnfinishedGptq,
+    UpperFactorizer,
 };
 
-use crate::block_search::nvfp4_block_search;
+use crate::block_search::{nvfp4_block_search, DeviceBlockSearch};
 use crate::device::{DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::gemm::Gemm;
@@ -37,7 +38,7 @@ use crate::gptq::{gptq_solve, DeviceGptqConfig, DeviceGptqResult, MAX_BLOCK};
 use crate::hessian_ops::{damped_permuted, diagonal, first_non_finite, row_dots};
 use crate::nvfp4_gptq::nvfp4_gptq_solve;
 use crate::weight_error::{
-    gather_columns, gptq_weight_error, nvfp4_weight_error, rtn_weight_error,
+    gather_columns, gptq_weight_error, nvfp4_diagonal_error, nvfp4_weight_error, rtn_weight_error,
 };
 
 /// GPTQ's damped factor computed where the matrix is: `U`, the upper Cholesky factor of
@@ -900,6 +901,62 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         self.timed("download codes", || {
             Ok(found.download_with(&self.client, self.transfer.as_ref())?)
         })
+    }
+
+    /// The search, its diagonal proxy error and max calibration's on the device, from one
+    /// upload of the weights; only the result's codes, scales and two sums cross back.
+    fn search_nvfp4_with_errors(
+        &self,
+        search: &Nvfp4BlockSearch,
+        baseline: bool,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        diag_h: &[f32],
+        global_scale: f32,
+    ) -> Result<(Nvfp4SearchResult, Nvfp4SearchErrors), HessianError> {
+        let view = self.timed("upload weights", || Ok(self.upload(weights, rows, cols)?))?;
+        let diag = DeviceVec::upload(&self.client, diag_h);
+        let error_of = |found: &DeviceBlockSearch| -> Result<f64, HessianError> {
+            let client = &self.client;
+            let (codes, scales) = (&found.codes, &found.block_scales);
+            let rows = nvfp4_diagonal_error(client, &view, codes, scales, &diag, global_scale)?;
+            Ok(rows.iter().map(|&v| f64::from(v)).sum())
+        };
+        let max_calibration = match baseline {
+            true => Some(self.timed("baseline error", || {
+                let max = Nvfp4BlockSearch {
+                    iters: 1,
+                    ..*search
+                };
+                error_of(&nvfp4_block_search(
+                    &self.client,
+                    &view,
+                    diag_h,
+                    global_scale,
+                    &max,
+                )?)
+            })?),
+            false => None,
+        };
+        let found = self.timed("block search", || {
+            Ok(nvfp4_block_search(
+                &self.client,
+                &view,
+                diag_h,
+                global_scale,
+                search,
+            )?)
+        })?;
+        let error = self.timed("error", || error_of(&found))?;
+        let result = self.timed("download codes", || {
+            Ok(found.download_with(&self.client, self.transfer.as_ref())?)
+        })?;
+        let errors = Nvfp4SearchErrors {
+            error,
+            max_calibration,
+        };
+        Ok((result, errors))
     }
 
     /// The column loop and the proxy error on the device ([`nvfp4_gptq_solve`]), the damped

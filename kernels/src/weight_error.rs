@@ -19,7 +19,8 @@ use crate::block_search::{e2m1_magnitude, e4m3_decode};
 use crate::device::{array_arg, DeviceVec, MatrixView};
 use crate::error::KernelError;
 use crate::gptq::{group_params, quantize, scheme_code, widen, DeviceGptqResult};
-use crate::launch::{check_addressable, elementwise};
+use crate::hessian_ops::{cube_units, sum_over_units};
+use crate::launch::{check_addressable, cube_count, elementwise};
 
 /// A new dense `[rows, sources.len()]` matrix whose column `c` is column `sources[c]` of `w`,
 /// or zeros where `sources[c]` is `None` (GPTQ's loop weights: act-order or group-aware
@@ -179,21 +180,8 @@ pub fn nvfp4_weight_error<R: Runtime>(
     block_scales: &DeviceVec<u32>,
     global_scale: f32,
 ) -> Result<MatrixView, KernelError> {
-    w.check("nvfp4_weight_error weights")?;
+    check_nvfp4("nvfp4_weight_error", w, codes, block_scales)?;
     let (rows, cols) = (w.rows, w.cols);
-    if cols % NVFP4_BLOCK != 0
-        || codes.len != rows * cols
-        || block_scales.len != rows * cols / NVFP4_BLOCK
-    {
-        return Err(KernelError::shape(
-            "nvfp4_weight_error",
-            format!(
-                "a {rows}×{cols} weight with {} codes and {} block scales",
-                codes.len, block_scales.len
-            ),
-        ));
-    }
-    check_addressable("nvfp4_weight_error", rows * cols)?;
     let d = dense(client, rows, cols);
     if rows * cols > 0 {
         let (count, dim) = elementwise(client, rows * cols)?;
@@ -209,6 +197,71 @@ pub fn nvfp4_weight_error<R: Runtime>(
         );
     }
     Ok(d)
+}
+
+/// `Σ_j diag_j · (W − Q)²_rj` of every row `r` (`[rows]`, f32 sums on the device, on the
+/// host), `Q` the NVFP4 values of `codes` and `block_scales` as in [`nvfp4_weight_error`]:
+/// the proxy output error under the diagonal Hessian `diag` `[cols]`, row by row, without
+/// forming `W − Q`.
+pub fn nvfp4_diagonal_error<R: Runtime>(
+    client: &ComputeClient<R>,
+    w: &MatrixView,
+    codes: &DeviceVec<u32>,
+    block_scales: &DeviceVec<u32>,
+    diag: &DeviceVec<f32>,
+    global_scale: f32,
+) -> Result<Vec<f32>, KernelError> {
+    check_nvfp4("nvfp4_diagonal_error", w, codes, block_scales)?;
+    let (rows, cols) = (w.rows, w.cols);
+    if diag.len != cols {
+        return Err(KernelError::shape(
+            "nvfp4_diagonal_error",
+            format!("{} diagonal entries for {cols} columns", diag.len),
+        ));
+    }
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let out = DeviceVec::<f32>::zeros(client, rows)?;
+    let units = cube_units(client);
+    nvfp4_diagonal_error_kernel::launch::<R>(
+        client,
+        cube_count(client, rows)?,
+        CubeDim::new_1d(units),
+        array_arg(&w.handle),
+        array_arg(&codes.handle),
+        array_arg(&block_scales.handle),
+        array_arg(&diag.handle),
+        array_arg(&out.handle),
+        Nvfp4ErrorArgsLaunch::new(w.offset, w.row_stride, rows, cols, global_scale, 1.0),
+        units as usize,
+    );
+    out.download(client)
+}
+
+/// The shapes NVFP4's weight errors accept: `codes` `[rows, cols]` and `block_scales`
+/// `[rows, cols/16]` for the weight `w` `[rows, cols]`, `cols` a multiple of 16.
+fn check_nvfp4(
+    what: &'static str,
+    w: &MatrixView,
+    codes: &DeviceVec<u32>,
+    block_scales: &DeviceVec<u32>,
+) -> Result<(), KernelError> {
+    w.check(what)?;
+    let (rows, cols) = (w.rows, w.cols);
+    if cols % NVFP4_BLOCK != 0
+        || codes.len != rows * cols
+        || block_scales.len != rows * cols / NVFP4_BLOCK
+    {
+        return Err(KernelError::shape(
+            what,
+            format!(
+                "a {rows}×{cols} weight with {} codes and {} block scales",
+                codes.len, block_scales.len
+            ),
+        ));
+    }
+    check_addressable(what, rows * cols)
 }
 
 /// The source of a zeroed column in [`gather_columns_kernel`].
@@ -332,7 +385,7 @@ fn rtn_error_kernel(w: &Array<f32>, d: &mut Array<f32>, args: &RtnErrorArgs) {
     }
 }
 
-/// The scalars of [`nvfp4_error_kernel`].
+/// The scalars of [`nvfp4_error_kernel`] and [`nvfp4_diagonal_error_kernel`].
 #[derive(CubeLaunch, CubeType)]
 struct Nvfp4ErrorArgs {
     w_offset: usize,
@@ -344,7 +397,7 @@ struct Nvfp4ErrorArgs {
     one: f32,
 }
 
-/// One unit per element: `w − ±(|e2m1(code)| · divisor)` of its block's divisor.
+/// One unit per element: `w − q` ([`nvfp4_value`]).
 #[cube(launch)]
 fn nvfp4_error_kernel(
     w: &Array<f32>,
@@ -356,12 +409,49 @@ fn nvfp4_error_kernel(
     let idx = ABSOLUTE_POS;
     if idx < args.rows * args.cols {
         let (r, c) = (idx / args.cols, idx % args.cols);
-        let divisor = e4m3_decode(scales[idx / 16]) * args.global;
-        let code = codes[idx];
-        let mut q = (e2m1_magnitude(code) * divisor) * args.one;
-        if code >= 8 {
-            q = -q;
-        }
+        let q = nvfp4_value(codes, scales, idx, args);
         d[idx] = w[args.w_offset + r * args.w_stride + c] - q;
     }
+}
+
+/// Cube `r` sums `diag_c · (w − q)²` over the columns `c` of row `r` (units stride, then the
+/// partials in unit order).
+#[cube(launch)]
+fn nvfp4_diagonal_error_kernel(
+    w: &Array<f32>,
+    codes: &Array<u32>,
+    scales: &Array<u32>,
+    diag: &Array<f32>,
+    out: &mut Array<f32>,
+    args: &Nvfp4ErrorArgs,
+    #[comptime] units: usize,
+) {
+    let row_index = CUBE_POS;
+    let row = select(row_index < args.rows, row_index, 0);
+    let mut sum = 0.0f32;
+    let mut c = UNIT_POS as usize;
+    while c < args.cols {
+        let q = nvfp4_value(codes, scales, row * args.cols + c, args);
+        let d = w[args.w_offset + row * args.w_stride + c] - q;
+        sum += diag[c] * (d * d);
+        c += units;
+    }
+    let total = sum_over_units(sum, units);
+    if UNIT_POS == 0 && row_index < args.rows {
+        out[row_index] = total;
+    }
+}
+
+/// The NVFP4 value of element `idx` of a dense `[rows, cols]` code grid:
+/// `±(|e2m1(code)| · (e4m3(byte) · global))`, the product kept apart from the caller's
+/// subtraction (see [`GptqErrorArgs`]).
+#[cube]
+fn nvfp4_value(codes: &Array<u32>, scales: &Array<u32>, idx: usize, args: &Nvfp4ErrorArgs) -> f32 {
+    let divisor = e4m3_decode(scales[idx / 16]) * args.global;
+    let code = codes[idx];
+    let mut q = (e2m1_magnitude(code) * divisor) * args.one;
+    if code >= 8 {
+        q = -q;
+    }
+    q
 }

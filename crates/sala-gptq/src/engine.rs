@@ -1091,10 +1091,6 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             linear: linear.name.clone(),
             source,
         };
-        let solve_err = |source| PipelineError::Solve {
-            linear: linear.name.clone(),
-            source,
-        };
         let s = stats.channels().ok_or_else(|| {
             PipelineError::Unsupported(format!("{}: no channel statistics", linear.name))
         })?;
@@ -1116,77 +1112,61 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             None => stats.host_hessian(&linear.name)?,
         };
         // GPTQ minimizes the full proxy `tr(ΔW H ΔWᵀ)` and the search the diagonal one: each
-        // run reports (and compares with max calibration) the error its solver minimizes.
-        let full_hessian = resident.is_some() || hessian.is_some();
-        let error_of = |q: &[f32]| match (resident, hessian.as_deref()) {
-            (Some((solver, h)), _) => solver.proxy_error(w, q, h.tensor).map_err(solve_err),
-            (None, Some(h)) => Ok(proxy_error(w, q, inp, h)),
-            (None, None) => Ok(diagonal_error(w, q, &diag)),
-        };
-        // The report's max-calibration baseline: a resident solver computes it on the device
-        // beside its solve; otherwise its host part runs on a thread of its own while the
-        // solver works (on a device, the host would wait).
-        let device_baseline = self.options.compare_rtn && resident.is_some();
-        let max_calibration = |w: &[f32]| match full_hessian {
-            true => Nvfp4Matrix::quantize(w, out, inp, global, BlockScales::Max)
-                .map(|max| MaxCalibration::Dequantized(max.dequantize())),
-            false => {
-                max_calibration_diagonal_error(w, global, &diag).map(MaxCalibration::DiagonalError)
-            }
-        };
+        // run reports (and compares with max calibration) the error its solver minimizes. The
+        // solvers compute both figures beside their solve, but for GPTQ on a host Hessian:
+        // there max calibration runs on a thread of its own while the solver works, and its
+        // full proxy error after.
+        let compare = self.options.compare_rtn;
+        let host_baseline = compare && resident.is_none() && hessian.is_some();
         let weights: &[f32] = w;
-        let (solved, baseline) = std::thread::scope(|scope| {
-            let baseline = (self.options.compare_rtn && !device_baseline)
-                .then(|| scope.spawn(|| max_calibration(weights)));
+        let (solved, host_max) = std::thread::scope(|scope| {
+            let host_max = host_baseline.then(|| {
+                scope.spawn(|| {
+                    Nvfp4Matrix::quantize(weights, out, inp, global, BlockScales::Max)
+                        .map(|max| max.dequantize())
+                })
+            });
             let t = Instant::now();
             let solved = self.nvfp4_solution(
                 weights,
+                compare,
                 out,
                 inp,
                 global,
-                resident.map(|r| (r, device_baseline)),
+                resident,
                 hessian.as_deref(),
                 &diag,
                 report,
             );
-            let device_seconds = solved
-                .as_ref()
-                .ok()
-                .and_then(|s| s.baseline)
-                .map_or(0.0, |(_, seconds)| seconds);
-            report.add_step("solve", seconds_since(t) - device_seconds);
+            let baseline_seconds = solved.as_ref().map_or(0.0, |s| s.baseline_seconds);
+            report.add_step("solve", seconds_since(t) - baseline_seconds);
             let t = Instant::now();
-            let baseline = baseline.map(|handle| {
+            let host_max = host_max.map(|handle| {
                 handle
                     .join()
                     .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
             });
-            (solved, baseline.map(|b| (b, t)))
+            (solved, host_max.map(|max| (max, t)))
         });
         let Nvfp4Solution {
             matrix,
             dequantized,
-            error: solved_error,
-            baseline: solved_baseline,
+            error,
+            baseline,
+            baseline_seconds,
         } = solved?;
-        if let Some((error, seconds)) = solved_baseline {
-            report.baseline_output_error = Some(error);
-            report.add_step("baseline", seconds);
+        if baseline.is_some() {
+            report.baseline_output_error = baseline;
+            if baseline_seconds > 0.0 {
+                report.add_step("baseline", baseline_seconds);
+            }
         }
-        if let Some((baseline, t)) = baseline {
-            let baseline = match baseline.map_err(format_err)? {
-                MaxCalibration::Dequantized(max) => error_of(&max)?,
-                MaxCalibration::DiagonalError(error) => error,
-            };
-            report.baseline_output_error = Some(baseline);
+        if let (Some((max, t)), Some(h)) = (host_max, hessian.as_deref()) {
+            let max = max.map_err(format_err)?;
+            report.baseline_output_error = Some(proxy_error(w, &max, inp, h));
             report.add_step("baseline", seconds_since(t));
         }
-        let t = Instant::now();
-        report.output_error = Some(match solved_error {
-            Some(error) => error,
-            None => error_of(&dequantized)?,
-        });
-        report.add_step("error", seconds_since(t));
+        report.output_error = Some(error);
         // A move, not a copy of up to 268 MB (a 16384 × 4096 linear).
         *w = dequantized;
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
@@ -1194,17 +1174,18 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     }
 
     /// NVFP4's solver on one linear: GPTQ on the FP4 grid where there is a full Hessian
-    /// (`resident` on the device, with the report's max-calibration baseline computed there
-    /// when its flag says so; else `hessian` on the host), else the block search on the
-    /// diagonal `diag`.
+    /// (`resident` on the device, else `hessian` on the host), else the block search on the
+    /// diagonal `diag`; with `compare`, the report's max-calibration baseline where the solver
+    /// computes it (all but GPTQ on a host Hessian).
     #[allow(clippy::too_many_arguments)]
     fn nvfp4_solution(
         &self,
         w: &[f32],
+        compare: bool,
         out: usize,
         inp: usize,
         global: f32,
-        resident: Option<(ResidentProblem<'_, B>, bool)>,
+        resident: Option<ResidentProblem<'_, B>>,
         hessian: Option<&Hessian<f64>>,
         diag: &[f32],
         report: &mut LinearReport,
@@ -1220,7 +1201,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         };
         let options = self.options.nvfp4_gptq();
         let gptq = match (resident, hessian) {
-            (Some(((solver, h), true)), _) => Some(
+            (Some((solver, h)), _) if compare => Some(
                 solver
                     .solve_nvfp4_gptq_with_baseline(&options, w, out, inp, h, global)
                     .map(|q| {
@@ -1228,7 +1209,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                         (q.quantized, Some(baseline))
                     }),
             ),
-            (Some(((solver, h), false)), _) => Some(
+            (Some((solver, h)), _) => Some(
                 solver
                     .solve_nvfp4_gptq(&options, w, out, inp, h, global)
                     .map(|q| (q, None)),
@@ -1240,8 +1221,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             ),
             (None, None) => None,
         };
-        // The matrix from the solver's codes and scales, with its dequantized values, and its
-        // error when the solver computed it already.
+        // The matrix from the solver's codes and scales, with its dequantized values and the
+        // errors the solver computed.
         match gptq {
             Some(q) => {
                 let (q, baseline) = q.map_err(solve_err)?;
@@ -1253,23 +1234,26 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 Ok(Nvfp4Solution {
                     matrix,
                     dequantized: q.dequantized,
-                    error: Some(q.proxy_error),
-                    baseline,
+                    error: q.proxy_error,
+                    baseline: baseline.map(|(error, _)| error),
+                    baseline_seconds: baseline.map_or(0.0, |(_, seconds)| seconds),
                 })
             }
             None => {
-                let search = self
+                let search = &self.options.nvfp4_search;
+                let (found, errors) = self
                     .solver
-                    .search_nvfp4(&self.options.nvfp4_search, w, out, inp, diag, global)
+                    .search_nvfp4_with_errors(search, compare, w, out, inp, diag, global)
                     .map_err(solve_err)?;
                 let matrix =
-                    Nvfp4Matrix::from_codes(&search.codes, out, inp, global, search.block_scales)
+                    Nvfp4Matrix::from_codes(&found.codes, out, inp, global, found.block_scales)
                         .map_err(format_err)?;
                 Ok(Nvfp4Solution {
                     matrix,
-                    dequantized: search.dequantized,
-                    error: None,
-                    baseline: None,
+                    dequantized: found.dequantized,
+                    error: errors.error,
+                    baseline: errors.max_calibration,
+                    baseline_seconds: 0.0,
                 })
             }
         }
@@ -1415,23 +1399,18 @@ type ResidentProblem<'a, B> = (&'a Arc<dyn ResidentSolver<B>>, ResidentHessian<'
 
 /// One NVFP4 linear's solution ([`Engine::solve_linear`]'s NVFP4 solvers).
 struct Nvfp4Solution {
-    /// The codes and block scales.
+    /// The packed codes and scales.
     matrix: Nvfp4Matrix,
     /// Their dequantized values, `[out, in]`.
     dequantized: Vec<f32>,
-    /// The proxy error GPTQ computed on the way; `None` for the block search (its diagonal
-    /// error is computed by the caller).
-    error: Option<f64>,
-    /// The max-calibration baseline's proxy error and seconds, where the solver computed it.
-    baseline: Option<(f64, f64)>,
-}
-
-/// The host's part of NVFP4's max-calibration baseline ([`Engine::solve_nvfp4`]).
-enum MaxCalibration {
-    /// The max-calibrated weights dequantized, for the full proxy error.
-    Dequantized(Vec<f32>),
-    /// The diagonal proxy error itself.
-    DiagonalError(f64),
+    /// The proxy error the solver minimizes (GPTQ's full one, the search's diagonal one).
+    error: f64,
+    /// The same error of max calibration (the report's baseline), where the solver
+    /// computed it.
+    baseline: Option<f64>,
+    /// Seconds the solver spent on the baseline apart from its solve (0 when they overlap or
+    /// are in its own step times).
+    baseline_seconds: f64,
 }
 
 /// One linear's result from [`Engine::solve_linear`].
@@ -1503,93 +1482,10 @@ struct Smoothed {
     alpha: f32,
 }
 
-/// [`diagonal_error`] of NVFP4 max calibration (the report's NVFP4 baseline) with the global
-/// scale `global`, row by row: the same figure, bit for bit, without building the quantized
-/// and dequantized matrices (three passes over a 280 M-weight layer and their allocations).
-fn max_calibration_diagonal_error(
-    w: &[f32],
-    global: f32,
-    diag: &[f32],
-) -> Result<f64, sala_formats::FormatError> {
-    use sala_formats::nvfp4::{dequantize_rows_into, quantize_rows_into, NVFP4_BLOCK};
-    let cols = diag.len().max(1);
-    let buffers = || {
-        let scales = vec![0u8; cols / NVFP4_BLOCK];
-        (scales, vec![0u8; cols / 2], vec![0f32; cols])
-    };
-    // Rows in parallel, their sums added in row order; the first failing row names the error.
-    let rows: Vec<Result<f64, sala_formats::FormatError>> = w
-        .par_chunks(cols)
-        .enumerate()
-        .map_init(buffers, |(scales, packed, q), (r, row)| {
-            quantize_rows_into(row, cols, global, r, true, scales, packed)?;
-            dequantize_rows_into(packed, scales, global, q);
-            Ok(row_diagonal_error(row, q, diag))
-        })
-        .collect();
-    rows.into_iter().sum()
-}
-
-/// `Σ_rows Σ_j d_j (w − q)²`: the output error under a diagonal Hessian.
-fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
-    let cols = diag.len().max(1);
-    // Rows in parallel, their sums added in row order: the same figure on any thread count.
-    let rows: Vec<f64> = w
-        .par_chunks_exact(cols)
-        .zip(q.par_chunks_exact(cols))
-        .map(|(wr, qr)| row_diagonal_error(wr, qr, diag))
-        .collect();
-    rows.iter().sum()
-}
-
-/// `Σ_j d_j (w_j − q_j)²` of one row, summed in f64 in column order.
-fn row_diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
-    w.iter()
-        .zip(q)
-        .zip(diag)
-        .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
-        .sum::<f64>()
-}
-
 fn treatment_label(t: &Treatment) -> String {
     match t {
         Treatment::Int { bits, group_size } => format!("INT{bits} g{group_size}"),
         Treatment::Nvfp4 => "FP4".into(),
         Treatment::Keep { .. } => "bf16".into(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The row-by-row baseline is the figure of the whole quantized matrix, bit for bit, and
-    /// names a non-finite weight by position.
-    #[test]
-    fn max_calibration_error_equals_the_dequantized_matrix_error() {
-        let (rows, cols) = (13, 64);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1.0 + (i % 5) as f32))
-            .collect();
-        let diag: Vec<f32> = (0..cols).map(|j| 0.1 + (j % 9) as f32).collect();
-        let global = global_scale_from_amax(3.0).unwrap();
-        let max = Nvfp4Matrix::quantize(&w, rows, cols, global, BlockScales::Max).unwrap();
-        let expected = diagonal_error(&w, &max.dequantize(), &diag);
-        let got = max_calibration_diagonal_error(&w, global, &diag).unwrap();
-        assert_eq!(got.to_bits(), expected.to_bits(), "{got} vs {expected}");
-        let mut bad = w.clone();
-        bad[5 * cols + 17] = f32::NAN;
-        let err = max_calibration_diagonal_error(&bad, global, &diag).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                sala_formats::FormatError::NonFinite {
-                    row: 5,
-                    col: 17,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
     }
 }

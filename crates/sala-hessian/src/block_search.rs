@@ -4,8 +4,8 @@
 
 use rayon::prelude::*;
 use sala_formats::minifloat::{e2m1_decode, E4M3FN, E4M3_MAX, E4M3_MIN_POSITIVE};
-use sala_formats::nvfp4::{block_divisor, encode_block};
-use sala_formats::NVFP4_BLOCK;
+use sala_formats::nvfp4::{block_divisor, dequantize_rows_into, encode_block, quantize_rows_into};
+use sala_formats::{FormatError, NVFP4_BLOCK};
 
 use crate::error::{check_finite, check_matrix, HessianError};
 
@@ -274,6 +274,91 @@ pub(crate) fn encode_into(
     }
 }
 
+/// [`diagonal_error`] of NVFP4 max calibration of `w` (the reports' NVFP4 baseline) with the
+/// global scale `global`, row by row: the same figure, bit for bit, without building the quantized
+/// and dequantized matrices (three passes over a 280 M-weight layer and their allocations).
+pub fn max_calibration_diagonal_error(
+    w: &[f32],
+    global: f32,
+    diag: &[f32],
+) -> Result<f64, FormatError> {
+    let cols = diag.len().max(1);
+    let buffers = || {
+        let scales = vec![0u8; cols / NVFP4_BLOCK];
+        (scales, vec![0u8; cols / 2], vec![0f32; cols])
+    };
+    // Rows in parallel, their sums added in row order; the first failing row names the error.
+    let rows: Vec<Result<f64, FormatError>> = w
+        .par_chunks(cols)
+        .enumerate()
+        .map_init(buffers, |(scales, packed, q), (r, row)| {
+            quantize_rows_into(row, cols, global, r, true, scales, packed)?;
+            dequantize_rows_into(packed, scales, global, q);
+            Ok(row_diagonal_error(row, q, diag))
+        })
+        .collect();
+    rows.into_iter().sum()
+}
+
+/// `Σ_rows Σ_j d_j (w − q)²` of row-major `w` and `q` with `diag.len()` columns: the proxy
+/// output error under a diagonal Hessian (rows in parallel, each summed in f64 in column
+/// order, the rows added in order: the same figure on any thread count).
+pub fn diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
+    let cols = diag.len().max(1);
+    let rows: Vec<f64> = w
+        .par_chunks_exact(cols)
+        .zip(q.par_chunks_exact(cols))
+        .map(|(wr, qr)| row_diagonal_error(wr, qr, diag))
+        .collect();
+    rows.iter().sum()
+}
+
+/// `Σ_j d_j (w_j − q_j)²` of one row, summed in f64 in column order.
+fn row_diagonal_error(w: &[f32], q: &[f32], diag: &[f32]) -> f64 {
+    w.iter()
+        .zip(q)
+        .zip(diag)
+        .map(|((&a, &b), &d)| d as f64 * ((a - b) as f64).powi(2))
+        .sum::<f64>()
+}
+
 fn invalid(name: &'static str, value: String, rule: &'static str) -> HessianError {
     HessianError::InvalidOption { name, value, rule }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sala_formats::nvfp4::global_scale_from_amax;
+    use sala_formats::{BlockScales, Nvfp4Matrix};
+
+    /// The row-by-row baseline is the figure of the whole quantized matrix, bit for bit, and
+    /// names a non-finite weight by position.
+    #[test]
+    fn max_calibration_error_equals_the_dequantized_matrix_error() {
+        let (rows, cols) = (13, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1.0 + (i % 5) as f32))
+            .collect();
+        let diag: Vec<f32> = (0..cols).map(|j| 0.1 + (j % 9) as f32).collect();
+        let global = global_scale_from_amax(3.0).unwrap();
+        let max = Nvfp4Matrix::quantize(&w, rows, cols, global, BlockScales::Max).unwrap();
+        let expected = diagonal_error(&w, &max.dequantize(), &diag);
+        let got = max_calibration_diagonal_error(&w, global, &diag).unwrap();
+        assert_eq!(got.to_bits(), expected.to_bits(), "{got} vs {expected}");
+        let mut bad = w.clone();
+        bad[5 * cols + 17] = f32::NAN;
+        let err = max_calibration_diagonal_error(&bad, global, &diag).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FormatError::NonFinite {
+                    row: 5,
+                    col: 17,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
 }

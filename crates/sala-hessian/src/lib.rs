@@ -33,7 +33,9 @@ pub mod rtn;
 mod scalar;
 pub mod solver;
 
-pub use block_search::{Nvfp4BlockSearch, Nvfp4SearchResult};
+pub use block_search::{
+    diagonal_error, max_calibration_diagonal_error, Nvfp4BlockSearch, Nvfp4SearchResult,
+};
 pub use error::HessianError;
 /// The faer version this crate's matrices ([`Hessian::as_mat`], [`CholeskyInverse::upper`])
 /// come from.
@@ -51,4 +53,4 @@ pub use quantized::{proxy_error, IntGrid, Method, QuantizedLinear};
 pub use rtn::Rtn;
 pub use sala_formats::{ClipSearch, IntScheme, QuantParams};
 pub use scalar::{Activation, HessianScalar};
-pub use solver::{CpuSolver, LinearSolver, StepSeconds};
+pub use solver::{CpuSolver, LinearSolver, Nvfp4SearchErrors, StepSeconds};

@@ -10,10 +10,21 @@
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::block_search::{diagonal_error, max_calibration_diagonal_error};
 use crate::{
     Gptq, GptqConfig, Hessian, HessianError, IntGrid, Nvfp4BlockSearch, Nvfp4Gptq, Nvfp4GptqResult,
     Nvfp4SearchResult, QuantizedLinear, Rtn,
 };
+
+/// The diagonal proxy output errors beside an NVFP4 block search
+/// ([`LinearSolver::search_nvfp4_with_errors`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Nvfp4SearchErrors {
+    /// `Σ_r Σ_j d_j (w − q)²` of the search's result.
+    pub error: f64,
+    /// The same of max calibration (the report's baseline), when asked for.
+    pub max_calibration: Option<f64>,
+}
 
 /// Quantizes one linear from its host weights and statistics.
 pub trait LinearSolver {
@@ -58,6 +69,46 @@ pub trait LinearSolver {
         diag_h: &[f32],
         global_scale: f32,
     ) -> Result<Nvfp4SearchResult, HessianError>;
+
+    /// [`search_nvfp4`](Self::search_nvfp4) with the diagonal proxy errors
+    /// ([`diagonal_error`] under `diag_h`) of its result and, with `baseline`, of max
+    /// calibration (the report's figures). Default: both on the host, max calibration's on a
+    /// thread of its own beside the search. A device solver computes them where the weights
+    /// already are.
+    #[allow(clippy::too_many_arguments)]
+    fn search_nvfp4_with_errors(
+        &self,
+        search: &Nvfp4BlockSearch,
+        baseline: bool,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        diag_h: &[f32],
+        global_scale: f32,
+    ) -> Result<(Nvfp4SearchResult, Nvfp4SearchErrors), HessianError> {
+        std::thread::scope(|scope| {
+            let max_calibration = baseline.then(|| {
+                scope.spawn(|| max_calibration_diagonal_error(weights, global_scale, diag_h))
+            });
+            let found = self.search_nvfp4(search, weights, rows, cols, diag_h, global_scale)?;
+            let error = diagonal_error(weights, &found.dequantized, diag_h);
+            let max_calibration = match max_calibration {
+                Some(handle) => Some(
+                    handle
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?,
+                ),
+                None => None,
+            };
+            Ok((
+                found,
+                Nvfp4SearchErrors {
+                    error,
+                    max_calibration,
+                },
+            ))
+        })
+    }
 
     /// GPTQ on the NVFP4 grid of `weights` `[rows, cols]` with the smoothed Hessian `h`
     /// `[cols, cols]` and the tensor's (or fused group's) `global_scale`: what

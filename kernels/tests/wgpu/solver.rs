@@ -428,7 +428,45 @@ fn device_block_search_equals_the_host_search_and_reports_bad_weights() {
         assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-12), "{a} vs {b}");
     }
 
+    // With the diagonal errors (on the device here, on the host for CpuSolver): the same
+    // result, and the same figures up to f32 sums.
+    for baseline in [true, false] {
+        let with = |s: &dyn LinearSolver| {
+            s.search_nvfp4_with_errors(&search, baseline, &weights, rows, cols, &diag, global)
+                .unwrap()
+        };
+        let ((gpu, gpu_errors), (cpu, cpu_errors)) = (with(&device), with(&CpuSolver));
+        assert_eq!(
+            (&gpu.codes, &gpu.block_scales, &gpu.dequantized),
+            (&cpu.codes, &cpu.block_scales, &cpu.dequantized)
+        );
+        let host = sala_hessian::diagonal_error(&weights, &cpu.dequantized, &diag);
+        assert_eq!(cpu_errors.error, host);
+        assert!(
+            relative(gpu_errors.error, host) < 1e-5,
+            "{gpu_errors:?} vs {host}"
+        );
+        match (gpu_errors.max_calibration, cpu_errors.max_calibration) {
+            (Some(a), Some(b)) => {
+                let max = Nvfp4Matrix::quantize(&weights, rows, cols, global, BlockScales::Max)
+                    .unwrap()
+                    .dequantize();
+                assert_eq!(b, sala_hessian::diagonal_error(&weights, &max, &diag));
+                assert!(relative(a, b) < 1e-5, "baseline {a} vs {b}");
+                assert!(a > gpu_errors.error, "the search beats max calibration");
+            }
+            (None, None) => assert!(!baseline),
+            other => panic!("baselines {other:?} asked {baseline}"),
+        }
+    }
+
     weights[5 * cols + 40] = f32::NAN;
+    match device.search_nvfp4_with_errors(&search, true, &weights, rows, cols, &diag, global) {
+        Err(HessianError::NonFinite {
+            row: 5, col: 32, ..
+        }) => {}
+        other => panic!("expected the NaN block at row 5, column 32: {other:?}"),
+    }
     match device.search_nvfp4(&search, &weights, rows, cols, &diag, global) {
         Err(HessianError::NonFinite {
             row: 5, col: 32, ..

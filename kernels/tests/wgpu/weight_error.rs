@@ -5,8 +5,8 @@ use sala_formats::nvfp4::global_scale_from_amax;
 use sala_formats::{BlockScales, IntQuantizer, IntScheme, Nvfp4Matrix};
 use sala_hessian::{IntGrid, Rtn};
 use sala_kernels::{
-    gather_columns, gptq_weight_error, nvfp4_weight_error, rtn_weight_error, DeviceGptqResult,
-    DeviceVec, KernelError, MatrixView,
+    gather_columns, gptq_weight_error, nvfp4_diagonal_error, nvfp4_weight_error, rtn_weight_error,
+    DeviceGptqResult, DeviceVec, KernelError, MatrixView,
 };
 
 use crate::common::{client, Rng};
@@ -209,6 +209,43 @@ fn nvfp4_weight_error_is_the_host_dequantization() {
         .download(&client)
         .unwrap();
     assert_eq!(got, expected);
+
+    // The diagonal error row by row, without `W − Q`: the host's sums up to f32 rounding.
+    let diag: Vec<f32> = (0..cols).map(|j| (j % 5) as f32 * 0.3).collect();
+    let rows_error = nvfp4_diagonal_error(
+        &client,
+        &view,
+        &codes,
+        &scales,
+        &DeviceVec::upload(&client, &diag),
+        global,
+    )
+    .unwrap();
+    assert_eq!(rows_error.len(), rows);
+    for (r, &got) in rows_error.iter().enumerate() {
+        let span = r * cols..(r + 1) * cols;
+        let expected: f64 = expected[span]
+            .iter()
+            .zip(&diag)
+            .map(|(&d, &h)| f64::from(h) * f64::from(d) * f64::from(d))
+            .sum();
+        let tol = 1e-5 * expected.abs().max(1e-12);
+        assert!(
+            (f64::from(got) - expected).abs() <= tol,
+            "row {r}: {got} vs {expected}"
+        );
+    }
+    assert!(matches!(
+        nvfp4_diagonal_error(
+            &client,
+            &view,
+            &codes,
+            &scales,
+            &DeviceVec::upload(&client, &diag[1..]),
+            global
+        ),
+        Err(KernelError::Shape { .. })
+    ));
 
     let short = view.window(0, 0, rows, cols - 16).unwrap();
     assert!(matches!(
