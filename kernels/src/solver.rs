@@ -539,6 +539,23 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         Ok((q, baseline))
     }
 
+    /// The block search of the device weight `view` (queued; its result on the device).
+    fn search_on_device(
+        &self,
+        view: &MatrixView,
+        search: &Nvfp4BlockSearch,
+        diag_h: &[f32],
+        global_scale: f32,
+    ) -> Result<DeviceBlockSearch, HessianError> {
+        Ok(nvfp4_block_search(
+            &self.client,
+            view,
+            diag_h,
+            global_scale,
+            search,
+        )?)
+    }
+
     /// The proxy output error under `h` of max calibration of the device weight `w` on
     /// `solver`'s grid: the block search with one candidate (`amax / (6 · global)`), its
     /// weight error and `tr(D·H·Dᵀ)`, all on the device.
@@ -553,7 +570,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
             iters: 1,
             ..solver.search
         };
-        let found = nvfp4_block_search(&self.client, w, &vec![0.0; w.cols], global_scale, &max)?;
+        let found = self.search_on_device(w, &max, &vec![0.0; w.cols], global_scale)?;
         let d = nvfp4_weight_error(
             &self.client,
             w,
@@ -890,13 +907,7 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
     ) -> Result<Nvfp4SearchResult, HessianError> {
         let view = self.timed("upload weights", || Ok(self.upload(weights, rows, cols)?))?;
         let found = self.timed("block search", || {
-            Ok(nvfp4_block_search(
-                &self.client,
-                &view,
-                diag_h,
-                global_scale,
-                search,
-            )?)
+            self.search_on_device(&view, search, diag_h, global_scale)
         })?;
         self.timed("download codes", || {
             Ok(found.download_with(&self.client, self.transfer.as_ref())?)
@@ -929,24 +940,12 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
                     iters: 1,
                     ..*search
                 };
-                error_of(&nvfp4_block_search(
-                    &self.client,
-                    &view,
-                    diag_h,
-                    global_scale,
-                    &max,
-                )?)
+                error_of(&self.search_on_device(&view, &max, diag_h, global_scale)?)
             })?),
             false => None,
         };
         let found = self.timed("block search", || {
-            Ok(nvfp4_block_search(
-                &self.client,
-                &view,
-                diag_h,
-                global_scale,
-                search,
-            )?)
+            self.search_on_device(&view, search, diag_h, global_scale)
         })?;
         let error = self.timed("error", || error_of(&found))?;
         let result = self.timed("download codes", || {
