@@ -539,6 +539,22 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         Ok((q, baseline))
     }
 
+    /// Max calibration of the device weight `view` (every block scale `amax / (6 · global)`):
+    /// `search` with its first candidate alone (queued; its result on the device).
+    fn max_calibration_on_device(
+        &self,
+        view: &MatrixView,
+        search: &Nvfp4BlockSearch,
+        global_scale: f32,
+    ) -> Result<DeviceBlockSearch, HessianError> {
+        let max = Nvfp4BlockSearch {
+            iters: 1,
+            ..*search
+        };
+        // One candidate: the channel weights cannot change the choice.
+        self.search_on_device(view, &max, &vec![0.0; view.cols], global_scale)
+    }
+
     /// The block search of the device weight `view` (queued; its result on the device).
     fn search_on_device(
         &self,
@@ -566,11 +582,7 @@ impl<R: Runtime, G: Gemm<R>> DeviceSolver<R, G> {
         h: &MatrixView,
         global_scale: f32,
     ) -> Result<f64, HessianError> {
-        let max = Nvfp4BlockSearch {
-            iters: 1,
-            ..solver.search
-        };
-        let found = self.search_on_device(w, &max, &vec![0.0; w.cols], global_scale)?;
+        let found = self.max_calibration_on_device(w, &solver.search, global_scale)?;
         let d = nvfp4_weight_error(
             &self.client,
             w,
@@ -936,11 +948,7 @@ impl<R: Runtime, G: Gemm<R>> LinearSolver for DeviceSolver<R, G> {
         };
         let max_calibration = match baseline {
             true => Some(self.timed("baseline error", || {
-                let max = Nvfp4BlockSearch {
-                    iters: 1,
-                    ..*search
-                };
-                error_of(&self.search_on_device(&view, &max, diag_h, global_scale)?)
+                error_of(&self.max_calibration_on_device(&view, search, global_scale)?)
             })?),
             false => None,
         };
