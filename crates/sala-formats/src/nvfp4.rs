@@ -73,20 +73,40 @@ pub fn encode_block(values: &[f32], divisor: f32, codes: &mut [u8]) {
     }
 }
 
+/// Codes per parallel task of packing and unpacking: per-element tasks cost more than the
+/// work (a layer of the 9B model has 280 M codes).
+const CODES_PER_TASK: usize = 1 << 16;
+
 /// Packs E2M1 codes two per byte (element `2j` low nibble, `2j+1` high nibble).
+///
+/// Errors: an odd count, or a code above `0xF` (the first one, by index).
 pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
     check_divisible("code count", codes.len(), 2)?;
-    if let Some(i) = codes.par_iter().position_first(|&c| c > 0xF) {
-        return Err(FormatError::CodeOutOfRange {
-            code: codes[i] as u32,
-            index: i,
-            bits: 4,
-        });
+    let mut packed = vec![0u8; codes.len() / 2];
+    // Each task ORs its codes together, so one pass both packs and finds whether any code is
+    // out of range; only then is the first such code searched for.
+    let any_bits = packed
+        .par_chunks_mut(CODES_PER_TASK / 2)
+        .zip(codes.par_chunks(CODES_PER_TASK))
+        .map(|(out, codes)| {
+            let mut bits = 0u8;
+            for (byte, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+                *byte = pair[0] | (pair[1] << 4);
+                bits |= pair[0] | pair[1];
+            }
+            bits
+        })
+        .reduce(|| 0, |a, b| a | b);
+    if any_bits > 0xF {
+        if let Some(index) = codes.iter().position(|&c| c > 0xF) {
+            return Err(FormatError::CodeOutOfRange {
+                code: codes[index] as u32,
+                index,
+                bits: 4,
+            });
+        }
     }
-    Ok(codes
-        .par_chunks_exact(2)
-        .map(|p| p[0] | (p[1] << 4))
-        .collect())
+    Ok(packed)
 }
 
 /// Dequantizes unpacked E2M1 `codes` (one per element, row-major, a multiple of 16 of them)
@@ -112,7 +132,17 @@ pub fn dequantize_codes(codes: &[u8], block_scales: &[u8], global_scale: f32) ->
 
 /// Unpacks bytes into E2M1 codes (two per byte, low nibble first).
 pub fn unpack_e2m1(packed: &[u8]) -> Vec<u8> {
-    packed.iter().flat_map(|&b| [b & 0xF, b >> 4]).collect()
+    let mut codes = vec![0u8; packed.len() * 2];
+    codes
+        .par_chunks_mut(CODES_PER_TASK)
+        .zip(packed.par_chunks(CODES_PER_TASK / 2))
+        .for_each(|(codes, packed)| {
+            for (pair, &byte) in codes.chunks_exact_mut(2).zip(packed) {
+                pair[0] = byte & 0xF;
+                pair[1] = byte >> 4;
+            }
+        });
+    codes
 }
 
 /// A row-major `[rows, cols]` matrix in NVFP4.

@@ -362,3 +362,39 @@ fn pseudo_random(seed: u64, n: usize) -> impl Iterator<Item = u64> {
 fn unit(r: u64) -> f32 {
     (r >> 40) as f32 / (1u64 << 23) as f32 - 1.0
 }
+
+proptest! {
+    // Inputs of up to a few hundred thousand codes cross the packers' parallel task
+    // boundaries (64 K codes), so a few cases suffice.
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn e2m1_packing_across_tasks_is_the_sequential_packing(
+        seed in any::<u64>(), pairs in 1usize..200_000, bad in proptest::option::of((any::<prop::sample::Index>(), any::<prop::sample::Index>())),
+    ) {
+        let mut codes: Vec<u8> = pseudo_random(seed, 2 * pairs).map(|r| (r % 16) as u8).collect();
+        let sequential: Vec<u8> = codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)).collect();
+        match bad {
+            None => {
+                let packed = pack_e2m1(&codes).unwrap();
+                prop_assert_eq!(&packed, &sequential);
+                prop_assert_eq!(unpack_e2m1(&packed), codes);
+            }
+            Some((first, second)) => {
+                // Two codes out of range: the error names the earlier one.
+                let (a, b) = (first.index(codes.len()), second.index(codes.len()));
+                codes[a] = 16;
+                codes[b] = 0xFF;
+                let earliest = a.min(b);
+                match pack_e2m1(&codes) {
+                    Err(sala_formats::FormatError::CodeOutOfRange { index, code, bits }) => {
+                        prop_assert_eq!(index, earliest);
+                        prop_assert_eq!(code, u32::from(codes[earliest]));
+                        prop_assert_eq!(bits, 4);
+                    }
+                    other => prop_assert!(false, "expected CodeOutOfRange, got {:?}", other),
+                }
+            }
+        }
+    }
+}
