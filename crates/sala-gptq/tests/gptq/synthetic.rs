@@ -432,7 +432,9 @@ fn packed_samples_quantize_like_samples_run_alone() {
 #[test]
 fn nvfp4_on_synthetic_weights_searches_with_the_diagonal() {
     let solver = Recording::default();
-    let report = run(&QuantizeOptions::new(Recipe::Nvfp4), &solver);
+    let mut options = QuantizeOptions::new(Recipe::Nvfp4);
+    options.nvfp4_solver = Nvfp4Solver::BlockSearch;
+    let report = run(&options, &solver);
     assert_stages_measured(&report);
     let calls = solver.nvfp4.borrow();
     // Default coverage: the minicpm4 layer's attention stays bf16 (layer 0: 3 MLP linears in
