@@ -88,14 +88,7 @@ pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
     let any_bits = packed
         .par_chunks_mut(CODES_PER_TASK / 2)
         .zip(codes.par_chunks(CODES_PER_TASK))
-        .map(|(out, codes)| {
-            let mut bits = 0u8;
-            for (byte, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
-                *byte = pair[0] | (pair[1] << 4);
-                bits |= pair[0] | pair[1];
-            }
-            bits
-        })
+        .map(|(out, codes)| pack_pairs_into(codes, out))
         .reduce(|| 0, |a, b| a | b);
     if any_bits > 0xF {
         if let Some(index) = codes.iter().position(|&c| c > 0xF) {
@@ -107,6 +100,18 @@ pub fn pack_e2m1(codes: &[u8]) -> Result<Vec<u8>, FormatError> {
         }
     }
     Ok(packed)
+}
+
+/// Packs `codes` two per byte into `out` (element `2j` in the low nibble of `out[j]`) and
+/// returns the OR of all the codes, so that a caller can tell from one value whether any code
+/// exceeds `0xF` (its high bits would then be lost in the packing).
+fn pack_pairs_into(codes: &[u8], out: &mut [u8]) -> u8 {
+    let mut bits = 0u8;
+    for (byte, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+        *byte = pair[0] | (pair[1] << 4);
+        bits |= pair[0] | pair[1];
+    }
+    bits
 }
 
 /// Dequantizes unpacked E2M1 `codes` (one per element, row-major, a multiple of 16 of them)
@@ -330,10 +335,10 @@ pub fn quantize_rows_into(
             });
         }
         encode_block(block, divisor, &mut codes);
-        let out = &mut packed[b * NVFP4_BLOCK / 2..(b + 1) * NVFP4_BLOCK / 2];
-        for (o, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
-            *o = pair[0] | (pair[1] << 4);
-        }
+        pack_pairs_into(
+            &codes,
+            &mut packed[b * NVFP4_BLOCK / 2..(b + 1) * NVFP4_BLOCK / 2],
+        );
     }
     Ok(())
 }
