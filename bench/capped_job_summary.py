@@ -3,7 +3,7 @@
 `capped_runs` list of bench/results/real-job-h200.json (an entry with the same recipe and cap
 is replaced), or to the list `--key` names (an entry with the same tag is replaced):
 
-    python3 bench/capped_job_summary.py OUT TAG CAP_GB --note "..." [--key default_runs] \
+    python3 bench/capped_job_summary.py OUT TAG CAP_GB --note "..." [--key default_runs] [--device GPU] \
         --into bench/results/real-job-h200.json
 
 Reads OUT/TAG.log (the command's log, GNU time's figures at its end), OUT/TAG-report.json (the
@@ -64,6 +64,7 @@ def report_figures(path):
         for step, seconds in (linear.get("solve_steps") or {}).items():
             steps[step] = steps.get(step, 0.0) + seconds
     figures = {
+        "layers_done": len(report["layers"]),
         "samples": report["samples"],
         "tokens": report["tokens"],
         "pipeline_s": report["seconds"],
@@ -87,6 +88,8 @@ def main():
     p.add_argument("tag")
     p.add_argument("cap_gb", type=float, help="0: uncapped")
     p.add_argument("--note", default="")
+    p.add_argument("--device", default="",
+                   help="the GPU the run had (nvidia-smi's name), where it is not the file's H200")
     p.add_argument("--into", required=True)
     p.add_argument("--key", default="capped_runs",
                    help="the list to put the entry in (an entry with the same tag, or in "
@@ -96,7 +99,13 @@ def main():
     entry = {"tag": args.tag, "device_cap_gb": args.cap_gb or None}
     entry["recipe"] = "nvfp4" if "--recipe nvfp4" in text else "gptq"
     entry.update(log_figures(text))
-    entry.update(report_figures(f"{args.out}/{args.tag}-report.json"))
+    report = report_figures(f"{args.out}/{args.tag}-report.json")
+    # A log that came back only in part lists fewer layers than the report, which has them all.
+    report_layers = report.pop("layers_done", 0)
+    entry["layers_done"] = max(entry.get("layers_done", 0), report_layers)
+    entry.update(report)
+    if args.device:
+        entry["device"] = args.device
     try:
         used = [int(l.split()[1]) for l in open(f"{args.out}/{args.tag}-gpumem.txt") if len(l.split()) == 2]
         entry["peak_nvidia_smi_used_mib"] = max(used)
