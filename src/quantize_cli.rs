@@ -160,8 +160,8 @@ pub struct Args {
     /// `--damp` and `--rtn-fallback` apply). GPTQ keeps a full Hessian per input,
     /// as the GPTQ recipe does. `hybrid`: GPTQ on every input narrower than its layer's
     /// widest, the search on the widest (the MLP's down projection, whose Hessian is most of
-    /// the Hessian work).
-    #[arg(long, value_enum, default_value_t = Nvfp4SolverArg::Search)]
+    /// the Hessian work; the default).
+    #[arg(long, value_enum, default_value_t = Nvfp4SolverArg::Hybrid)]
     nvfp4_solver: Nvfp4SolverArg,
     /// Samples at or beyond this many tokens are refused (minicpm4 layers run dense attention
     /// below it; the original scripts' override is 655360).

@@ -120,8 +120,7 @@ pub enum Smoothing {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Nvfp4Solver {
     /// Each block's E4M3 scale searched on the weights, weighted by `diag(H)`, then round to
-    /// nearest (the original scripts' recipe; default).
-    #[default]
+    /// nearest (the original scripts' recipe).
     BlockSearch,
     /// GPTQ on the NVFP4 grid: the same search at each block as the column loop reaches it,
     /// and the rounding errors spread over the later columns with the full Hessian
@@ -131,7 +130,8 @@ pub enum Nvfp4Solver {
     /// search for the widest (the MLP's down projection in a transformer layer). The widest
     /// group's Hessian is most of the Hessian work (16384² of the 9B model's 3 × 4096² +
     /// 16384²: 84%), and most of GPTQ's gain over the search comes from the other linears
-    /// (docs/quality.md).
+    /// (docs/quality.md). The default.
+    #[default]
     Hybrid,
 }
 
@@ -144,7 +144,8 @@ pub struct QuantizeOptions {
     pub gptq: GptqOptions,
     /// Block-scale search (NVFP4 recipe): iterations, maximum shrink, error norm.
     pub nvfp4_search: Nvfp4BlockSearch,
-    /// The NVFP4 recipe's solver: the block search alone (default) or GPTQ on the FP4 grid.
+    /// The NVFP4 recipe's solver: GPTQ on the FP4 grid below each layer's widest input and the
+    /// block search on the widest (default), the block search alone, or GPTQ everywhere.
     pub nvfp4_solver: Nvfp4Solver,
     /// SmoothQuant and how its migration strength α is chosen; `None` turns smoothing off.
     /// Default: a fixed α = 0.5 for NVFP4 (the original scripts'); off for GPTQ, which
@@ -211,7 +212,7 @@ impl QuantizeOptions {
             plan: PlanOptions::new(recipe),
             gptq: GptqOptions::default(),
             nvfp4_search: Nvfp4BlockSearch::default(),
-            nvfp4_solver: Nvfp4Solver::BlockSearch,
+            nvfp4_solver: Nvfp4Solver::Hybrid,
             smoothing: match recipe {
                 Recipe::Gptq => None,
                 Recipe::Nvfp4 => Some(Smoothing::Fixed(0.5)),
