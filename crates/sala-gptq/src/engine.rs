@@ -12,7 +12,7 @@ use crate::options::{QuantizeOptions, Smoothing};
 use crate::packing::pack_samples;
 use crate::plan::{PlannedLinear, QuantPlan, Treatment};
 use crate::progress::{Progress, Stage};
-use crate::report::{peak_rss_bytes, LayerOps, LayerReport, LinearReport};
+use crate::report::{peak_rss_bytes, ErrorHessian, LayerOps, LayerReport, LinearReport};
 use crate::resident::{ResidentHessian, ResidentSolver};
 use crate::smoothing::{fixed_scales, fold_group, reader_map, smooth_group_of};
 use crate::stats::{Finalized, InputStats, StatsKind};
@@ -873,6 +873,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             gptq_loss: None,
             output_error: None,
             baseline_output_error: None,
+            error_hessian: None,
             smooth_scale_range: smoothed.get(&linear.name).map(|s| s.range),
             smooth_alpha: smoothed.get(&linear.name).map(|s| s.alpha),
             damping_retries: 0,
@@ -958,6 +959,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let q = finished.quantized;
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;
+        report.error_hessian = Some(ErrorHessian::Full);
         report.damping_retries = q.damping_retries;
         report.rtn_fallback = q.method == Method::RtnFallback;
         if let Some(seconds) = finished.finish_seconds {
@@ -1152,6 +1154,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             matrix,
             dequantized,
             error,
+            error_hessian,
             baseline,
             baseline_seconds,
         } = solved?;
@@ -1167,6 +1170,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.add_step("baseline", seconds_since(t));
         }
         report.output_error = Some(error);
+        report.error_hessian = Some(error_hessian);
         // A move, not a copy of up to 268 MB (a 16384 × 4096 linear).
         *w = dequantized;
         let input_scale = global_scale_from_amax(act_amax).map_err(format_err)?;
@@ -1235,6 +1239,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                     matrix,
                     dequantized: q.dequantized,
                     error: q.proxy_error,
+                    error_hessian: ErrorHessian::Full,
                     baseline: baseline.map(|(error, _)| error),
                     baseline_seconds: baseline.map_or(0.0, |(_, seconds)| seconds),
                 })
@@ -1252,6 +1257,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                     matrix,
                     dequantized: found.dequantized,
                     error: errors.error,
+                    error_hessian: ErrorHessian::Diagonal,
                     baseline: errors.max_calibration,
                     baseline_seconds: 0.0,
                 })
@@ -1405,6 +1411,8 @@ struct Nvfp4Solution {
     dequantized: Vec<f32>,
     /// The proxy error the solver minimizes (GPTQ's full one, the search's diagonal one).
     error: f64,
+    /// Which Hessian `error` and `baseline` are measured with.
+    error_hessian: ErrorHessian,
     /// The same error of max calibration (the report's baseline), where the solver
     /// computed it.
     baseline: Option<f64>,

@@ -69,8 +69,8 @@ pub use plan::{
 };
 pub use progress::{NoProgress, Progress, Stage};
 pub use report::{
-    LayerOps, LayerReport, LinearReport, Report, ReportSummary, ReportTable, StageSeconds,
-    StageTotals,
+    ErrorHessian, LayerOps, LayerReport, LinearReport, Report, ReportSummary, ReportTable,
+    StageSeconds, StageTotals,
 };
 pub use resident::{Nvfp4WithBaseline, ResidentHessian, ResidentSolver, WithBaseline};
 pub use resume::file_hash;

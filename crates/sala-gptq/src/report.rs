@@ -20,12 +20,18 @@ pub struct LinearReport {
     pub in_features: usize,
     /// GPTQ's loss `Σ (w−q)²/d²` (halved per IST), GPTQ only.
     pub gptq_loss: Option<f64>,
-    /// Proxy output error of the chosen quantization: `tr((W−Q) H (W−Q)ᵀ)` with the full
-    /// (smoothed) Hessian for GPTQ, with its diagonal `E[x²]` for NVFP4.
+    /// Proxy output error of the chosen quantization: `tr((W−Q) H (W−Q)ᵀ)` with the
+    /// (smoothed) Hessian that [`error_hessian`](Self::error_hessian) names.
     pub output_error: Option<f64>,
     /// The same error for the baseline: round-to-nearest on each group's min/max range, without
     /// the clipping search (GPTQ), or max calibration (NVFP4).
     pub baseline_output_error: Option<f64>,
+    /// Which Hessian `output_error` and `baseline_output_error` are measured with: the full
+    /// one where GPTQ solved the linear (the integer grid or the FP4 grid), its diagonal
+    /// `E[x²]` where NVFP4's block search did. A run of NVFP4's hybrid solver has both kinds,
+    /// so its totals add figures of the two; each linear's ratio compares like with like.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_hessian: Option<ErrorHessian>,
     /// Range of the smoothing scales folded into this linear's input columns.
     pub smooth_scale_range: Option<(f32, f32)>,
     /// SmoothQuant's migration strength α of this linear's group, fixed or searched; `None`
@@ -43,6 +49,16 @@ pub struct LinearReport {
     /// factor, column loop, downloads, host finishing; a host solver reports none).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub solve_steps: BTreeMap<String, f64>,
+}
+
+/// The Hessian a linear's proxy errors are measured with ([`LinearReport::error_hessian`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorHessian {
+    /// The full `[in, in]` Hessian `E[x xᵀ]`: GPTQ's objective.
+    Full,
+    /// Its diagonal `E[x²]`: the NVFP4 block search's objective.
+    Diagonal,
 }
 
 impl LinearReport {
@@ -377,6 +393,29 @@ impl fmt::Display for ReportTable<'_> {
     }
 }
 
+/// `; full Hessian on N linears, its diagonal on M` where a run measured its linears' errors
+/// with both (NVFP4's hybrid solver), since its totals then add figures of two kinds; nothing
+/// where every linear used one.
+struct MixedHessians<'a>(&'a Report);
+
+impl fmt::Display for MixedHessians<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let count = |kind| {
+            let linears = self.0.linears.iter();
+            linears.filter(|l| l.error_hessian == Some(kind)).count()
+        };
+        match (count(ErrorHessian::Full), count(ErrorHessian::Diagonal)) {
+            (full, diagonal) if full > 0 && diagonal > 0 => {
+                write!(
+                    f,
+                    "; full Hessian on {full} linears, its diagonal on {diagonal}"
+                )
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 impl fmt::Display for ReportSummary<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let r = self.0;
@@ -403,9 +442,10 @@ impl fmt::Display for ReportSummary<'_> {
         let above = compared.iter().filter(|&&q| q > 1.0).count();
         writeln!(
             f,
-            "total output error {:.4e} (baseline {:.4e}); above the baseline on {above} of {} linears",
+            "total output error {:.4e} (baseline {:.4e}{}); above the baseline on {above} of {} linears",
             r.total_output_error(),
             r.total_baseline_error(),
+            MixedHessians(r),
             compared.len()
         )?;
         writeln!(
@@ -595,6 +635,7 @@ mod tests {
             gptq_loss: None,
             output_error: None,
             baseline_output_error: None,
+            error_hessian: None,
             smooth_scale_range: None,
             smooth_alpha: None,
             damping_retries: 0,

@@ -18,7 +18,7 @@
 use crate::engine::Sample;
 use crate::error::PipelineError;
 use crate::options::QuantizeOptions;
-use crate::report::{LayerReport, LinearReport, StageSeconds};
+use crate::report::{ErrorHessian, LayerReport, LinearReport, StageSeconds};
 use sala_export::{CheckpointWriter, Tensor, WriterState, RESUME_DIR, RESUME_MANIFEST};
 use sala_model::DeviceMemory;
 use serde::{Deserialize, Serialize};
@@ -224,6 +224,8 @@ struct SavedLinear {
     gptq_loss: Option<Bits64>,
     output_error: Option<Bits64>,
     baseline_output_error: Option<Bits64>,
+    #[serde(default)]
+    error_hessian: Option<ErrorHessian>,
     smooth_scale_range: Option<(u32, u32)>,
     #[serde(default)]
     smooth_alpha: Option<u32>,
@@ -242,6 +244,7 @@ impl From<&LinearReport> for SavedLinear {
             gptq_loss: l.gptq_loss.map(f64::to_bits),
             output_error: l.output_error.map(f64::to_bits),
             baseline_output_error: l.baseline_output_error.map(f64::to_bits),
+            error_hessian: l.error_hessian,
             smooth_scale_range: l
                 .smooth_scale_range
                 .map(|(a, b)| (a.to_bits(), b.to_bits())),
@@ -263,6 +266,7 @@ impl From<&SavedLinear> for LinearReport {
             gptq_loss: l.gptq_loss.map(f64::from_bits),
             output_error: l.output_error.map(f64::from_bits),
             baseline_output_error: l.baseline_output_error.map(f64::from_bits),
+            error_hessian: l.error_hessian,
             smooth_scale_range: l
                 .smooth_scale_range
                 .map(|(a, b)| (f32::from_bits(a), f32::from_bits(b))),

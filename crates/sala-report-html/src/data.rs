@@ -92,6 +92,9 @@ pub struct LinearReport {
     pub output_error: Option<f64>,
     /// The same error of the baseline (RTN or max calibration).
     pub baseline_output_error: Option<f64>,
+    /// Which Hessian both errors are measured with; absent in older reports.
+    #[serde(default)]
+    pub error_hessian: Option<ErrorHessian>,
     /// Range of the smoothing scales folded into the input columns.
     pub smooth_scale_range: Option<(f32, f32)>,
     /// The smoothing group's migration strength α (fixed or searched); absent in older reports.
@@ -110,6 +113,17 @@ pub struct LinearReport {
     /// absent in older reports.
     #[serde(default)]
     pub solve_steps: BTreeMap<String, f64>,
+}
+
+/// The Hessian of a linear's proxy errors: the full one where GPTQ solved it, its diagonal
+/// `E[x²]` where NVFP4's block search did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorHessian {
+    /// `E[x xᵀ]`.
+    Full,
+    /// `E[x²]`.
+    Diagonal,
 }
 
 impl LinearReport {

@@ -20,7 +20,9 @@ mod error;
 pub mod page;
 
 pub use charts::Charts;
-pub use data::{drift_from_file, DriftResults, EvalResults, Plan, PlanRow, QuantizationReport};
+pub use data::{
+    drift_from_file, DriftResults, ErrorHessian, EvalResults, Plan, PlanRow, QuantizationReport,
+};
 pub use error::ReportError;
 pub use page::{render, Inputs};
 

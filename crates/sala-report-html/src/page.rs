@@ -7,7 +7,7 @@
 
 use crate::charts::{draw_all, smoothing_groups, Charts, Group};
 use crate::data::{
-    DriftResults, EvalMetrics, EvalResults, LinearReport, PlanRow, QuantizationReport,
+    DriftResults, ErrorHessian, EvalMetrics, EvalResults, LinearReport, PlanRow, QuantizationReport,
 };
 use crate::error::ReportError;
 use serde::Serialize;
@@ -489,6 +489,23 @@ fn alpha_counts(groups: &[Group]) -> Option<String> {
     })
 }
 
+/// Where a run measured some linears' errors on the full Hessian and others on its diagonal
+/// (NVFP4's hybrid solver), the sentence that says so: its totals add figures of both kinds.
+fn mixed_hessians(linears: &[LinearReport]) -> Option<String> {
+    let count = |kind| {
+        let kinds = linears.iter().map(|l| l.error_hessian);
+        kinds.filter(|&k| k == Some(kind)).count()
+    };
+    let (full, diagonal) = (count(ErrorHessian::Full), count(ErrorHessian::Diagonal));
+    (full > 0 && diagonal > 0).then(|| {
+        format!(
+            "The errors of the {full} linears that GPTQ solved are on the full Hessian, those of \
+             the {diagonal} that the block search solved on its diagonal E[x²]: the totals add \
+             both kinds, and each linear's ratio compares like with like."
+        )
+    })
+}
+
 /// The few sentences a reader wants first: totals, where the solver lost to the baseline,
 /// the largest errors, the extreme smoothing scales, retries, skipped samples.
 fn highlights(q: &QuantizationReport, baseline: &str) -> Vec<String> {
@@ -510,6 +527,9 @@ fn highlights(q: &QuantizationReport, baseline: &str) -> Vec<String> {
             "Total proxy output error {ours:.4e} against {base:.4e} for {baseline} (ratio {:.3}).",
             ours / base
         ));
+    }
+    if let Some(line) = mixed_hessians(&run.linears) {
+        out.push(line);
     }
     if !with_ratio.is_empty() {
         let worse: Vec<&(&LinearReport, f64)> =

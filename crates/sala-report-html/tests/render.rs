@@ -236,3 +236,35 @@ fn the_solve_steps_are_summed_on_the_page_when_the_report_has_them() {
     );
     assert!(page.contains(&expected), "no '{expected}' on the page");
 }
+
+#[test]
+fn a_run_that_mixes_full_and_diagonal_errors_says_so() {
+    let (mut inputs, mut json) = inputs("nvfp4");
+    let said = |page: &str| page.contains("that GPTQ solved are on the full Hessian");
+    assert!(
+        !said(&render(&inputs).unwrap()),
+        "an older report has no kinds"
+    );
+    let linears = json["report"]["linears"].as_array_mut().unwrap();
+    for l in linears.iter_mut() {
+        l["error_hessian"] = serde_json::json!("diagonal");
+    }
+    let page = render_with_report(&mut inputs, &json, "one-kind");
+    assert!(!said(&page), "one kind needs no sentence");
+    let linears = json["report"]["linears"].as_array_mut().unwrap();
+    let mut full = 0;
+    for l in linears.iter_mut() {
+        if !l["name"].as_str().unwrap().ends_with("down_proj") {
+            l["error_hessian"] = serde_json::json!("full");
+            full += 1;
+        }
+    }
+    let diagonal = linears.len() - full;
+    assert!(full > 0 && diagonal > 0);
+    let page = render_with_report(&mut inputs, &json, "mixed");
+    let expected = format!(
+        "The errors of the {full} linears that GPTQ solved are on the full Hessian, those of \
+         the {diagonal} that the block search solved"
+    );
+    assert!(page.contains(&expected), "no '{expected}' on the page");
+}

@@ -8,8 +8,8 @@ use sala_gptq::export::Checkpoint;
 use sala_gptq::model::{LayerRunner, TensorStore};
 use sala_gptq::smooth::AlphaGrid;
 use sala_gptq::{
-    CpuBackend, NoProgress, Nvfp4Coverage, Nvfp4Solver, Pipeline, QuantizeOptions, Recipe, Report,
-    Sample, Smoothing,
+    CpuBackend, ErrorHessian, NoProgress, Nvfp4Coverage, Nvfp4Solver, Pipeline, QuantizeOptions,
+    Recipe, Report, Sample, Smoothing,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -215,7 +215,22 @@ fn nvfp4_with_gptq_verifies_and_stays_as_close_as_the_block_search() {
             };
             assert_eq!(l.gptq_loss.is_some(), gptq, "{solver:?}: {}", l.name);
             assert!(!l.rtn_fallback, "{}", l.name);
+            // The report says which Hessian each linear's errors are measured with.
+            let hessian = if gptq {
+                ErrorHessian::Full
+            } else {
+                ErrorHessian::Diagonal
+            };
+            assert_eq!(l.error_hessian, Some(hessian), "{solver:?}: {}", l.name);
         }
+        // Only the hybrid mixes the two, and its summary says so.
+        let summary = report.summary().to_string();
+        let mixed = summary.contains("full Hessian on ") && summary.contains(", its diagonal on ");
+        assert_eq!(
+            mixed,
+            solver == Nvfp4Solver::Hybrid,
+            "{solver:?}: {summary}"
+        );
         let rel = logits_relative_error(&model, &out, &options);
         eprintln!("{solver:?}: relative logits error {rel}");
         errors.push(rel);
