@@ -99,11 +99,9 @@ def main():
     entry = {"tag": args.tag, "device_cap_gb": args.cap_gb or None}
     entry["recipe"] = "nvfp4" if "--recipe nvfp4" in text else "gptq"
     entry.update(log_figures(text))
-    report = report_figures(f"{args.out}/{args.tag}-report.json")
-    # A log that came back only in part lists fewer layers than the report, which has them all.
-    report_layers = report.pop("layers_done", 0)
-    entry["layers_done"] = max(entry.get("layers_done", 0), report_layers)
-    entry.update(report)
+    # The report (written only when the run finished) counts every layer, where a log that came
+    # back only in part lists fewer: its count replaces the log's.
+    entry.update(report_figures(f"{args.out}/{args.tag}-report.json"))
     if args.device:
         entry["device"] = args.device
     try:
