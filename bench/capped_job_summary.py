@@ -16,7 +16,7 @@ import json
 import re
 
 # The per-layer stages of the report, seconds.
-STAGES = ["capture", "accumulate", "finalize", "smooth", "solve", "write", "propagate"]
+STAGES = ["load", "capture", "accumulate", "finalize", "smooth", "solve", "write", "propagate"]
 
 
 def log_figures(text):
@@ -55,8 +55,9 @@ def report_figures(path):
         return {}
     stages = {}
     for layer in report["layers"]:
-        for k in STAGES:
-            stages[k] = stages.get(k, 0.0) + layer.get(k, 0.0)
+        # "load" is in reports from the twenty-sixth session on (capture held it before).
+        for k in (k for k in STAGES if k in layer):
+            stages[k] = stages.get(k, 0.0) + layer[k]
     peak = report.get("peak_device_memory") or {}
     # Where the solve stage's seconds went (reports from binaries that time their steps).
     steps = {}

@@ -123,6 +123,11 @@ pub struct Args {
     /// layer per input group.
     #[arg(long)]
     true_sequential: bool,
+    /// Read each layer's weights only when its turn comes, instead of on a thread beside the
+    /// previous layer's work (which holds one more layer's weights in host memory: 1.1 GB at
+    /// full size). The checkpoint is the same either way.
+    #[arg(long)]
+    no_prefetch: bool,
     /// Fall back to RTN for a linear whose Hessian cannot be factored even after retries.
     #[arg(long)]
     rtn_fallback: bool,
@@ -908,6 +913,7 @@ fn options_from(
     options.gptq.static_groups = args.static_groups;
     options.gptq.group_aware_order = !args.no_group_aware_order;
     options.true_sequential = args.true_sequential;
+    options.prefetch_weights = !args.no_prefetch;
     options.gptq.rtn_fallback = args.rtn_fallback;
     options.gptq.rtn = args.rtn;
     options.gptq.clip = match args.no_clip_search {

@@ -331,6 +331,30 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         sink: &mut dyn LayerSink,
         progress: &mut dyn Progress,
     ) -> Result<LayerReport, PipelineError> {
+        let t = Instant::now();
+        let weights = source.layer(layer)?;
+        self.layer_loaded(layer, weights, seconds_since(t), hidden, sink, progress)
+    }
+
+    /// [`layer`](Self::layer) with the layer's weights already read (for instance on a thread
+    /// beside the previous layer's work); `load` is the seconds the caller waited for them,
+    /// reported as the layer's load stage. Errors when `weights` are another layer's.
+    pub fn layer_loaded(
+        &mut self,
+        layer: usize,
+        mut weights: LayerWeights,
+        load: f64,
+        hidden: &mut HiddenStates<B>,
+        sink: &mut dyn LayerSink,
+        progress: &mut dyn Progress,
+    ) -> Result<LayerReport, PipelineError> {
+        if weights.layer != layer {
+            return Err(sala_model::ModelError::InvalidInput(format!(
+                "weights of layer {} given for layer {layer}",
+                weights.layer
+            ))
+            .into());
+        }
         let runner = self.runner;
         let config = runner.config();
         let mut report = LayerReport {
@@ -340,6 +364,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             tokens: self.active_tokens(),
             ..LayerReport::default()
         };
+        report.stages.load = load;
         self.layer_peak = None;
         let profile = op_profile(runner);
         if let Some(profile) = profile {
@@ -347,7 +372,6 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             profile.take();
         }
         let t = Instant::now();
-        let mut weights = source.layer(layer)?;
         let groups = input_groups(config, layer);
         let quantized: BTreeSet<String> = self
             .plan

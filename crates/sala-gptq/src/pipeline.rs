@@ -18,7 +18,7 @@ use sala_export::{
     CheckpointWriter, GptqConfig, Nvfp4Config, QuantizationConfig, StagedCheckpoint, WriterOptions,
 };
 use sala_hessian::solver::{CpuSolver, LinearSolver};
-use sala_model::{FastOps, LayerRunner, SalaConfig, TensorStore};
+use sala_model::{FastOps, LayerRunner, LayerWeights, ModelError, SalaConfig, TensorStore};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -257,29 +257,46 @@ impl<B: Backend> Pipeline<B> {
             }
             _ => engine.embed(&source, &scratch, progress)?,
         };
-        for layer in first..config.num_layers() {
-            progress.layer(layer);
-            let linears_before = engine.linear_count();
-            let mut sink = CheckpointSink {
-                writer: &mut writer,
-                store: &store,
-            };
-            let report = engine.layer(layer, &source, &mut hidden, &mut sink, progress)?;
-            if let Some(log) = &mut log {
-                log.layer_done(
-                    &mut writer,
-                    &hidden,
-                    &report,
-                    engine.linears_from(linears_before),
-                    engine.saved_state(),
-                )?;
+        let layer_count = config.num_layers();
+        let read = |layer: usize| LayerWeights::load(&store, &config, layer);
+        std::thread::scope(|scope| -> Result<(), PipelineError> {
+            // The next layer's weights, read beside this layer's work.
+            let mut next = None;
+            for layer in first..layer_count {
+                progress.layer(layer);
+                let t = Instant::now();
+                let weights = match next.take() {
+                    Some(reading) => joined(reading)?,
+                    None => read(layer)?,
+                };
+                let load = t.elapsed().as_secs_f64();
+                if self.options.prefetch_weights && layer + 1 < layer_count {
+                    next = Some(scope.spawn(move || read(layer + 1)));
+                }
+                let linears_before = engine.linear_count();
+                let mut sink = CheckpointSink {
+                    writer: &mut writer,
+                    store: &store,
+                };
+                let report =
+                    engine.layer_loaded(layer, weights, load, &mut hidden, &mut sink, progress)?;
+                if let Some(log) = &mut log {
+                    log.layer_done(
+                        &mut writer,
+                        &hidden,
+                        &report,
+                        engine.linears_from(linears_before),
+                        engine.saved_state(),
+                    )?;
+                }
+                progress.layer_done(&report);
+                if log.is_some() {
+                    progress.layer_saved(layer);
+                }
+                layers.push(report);
             }
-            progress.layer_done(&report);
-            if log.is_some() {
-                progress.layer_saved(layer);
-            }
-            layers.push(report);
-        }
+            Ok(())
+        })?;
         writer.record(false);
         write_globals(&store, &config, &mut writer)?;
         let model_config = sala_export::config::read_json(&input.join("config.json"))?;
@@ -483,4 +500,13 @@ pub(crate) fn with_fast<B: Backend>(
         Some(fast) => runner.with_fast_ops(fast),
         None => runner,
     }
+}
+
+/// The weights a reading thread returned (its panic, if it panicked, goes on in this thread).
+fn joined(
+    reading: std::thread::ScopedJoinHandle<'_, Result<LayerWeights, ModelError>>,
+) -> Result<LayerWeights, ModelError> {
+    reading
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }

@@ -75,7 +75,13 @@ impl LinearReport {
 /// over layers ([`StageTotals`]) are both this.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct StageSeconds {
-    /// Loading the layer's weights and the forward passes with taps (statistics excluded).
+    /// Waiting for the layer's weights: reading and decoding them from the source, or, where
+    /// they were read on a thread beside the previous layer's work, what was left of that
+    /// (does not grow with the tokens). Absent (0) in reports of earlier versions, whose
+    /// capture includes the loading.
+    #[serde(default)]
+    pub load: f64,
+    /// The forward passes with taps (statistics excluded), uploading the weights included.
     pub capture: f64,
     /// Accumulating each sample's contribution to the Hessians / channel statistics of the
     /// tapped inputs (grows with the tokens).
@@ -100,9 +106,10 @@ impl StageSeconds {
         self.capture + self.accumulate + self.propagate
     }
 
-    /// Seconds that do not depend on the calibration tokens: finalize, smooth, solve, write.
+    /// Seconds that do not depend on the calibration tokens: load, finalize, smooth, solve,
+    /// write.
     pub fn fixed_seconds(&self) -> f64 {
-        self.finalize + self.smooth + self.solve + self.write
+        self.load + self.finalize + self.smooth + self.solve + self.write
     }
 }
 
@@ -112,6 +119,7 @@ impl std::ops::Add for StageSeconds {
     /// Stage by stage.
     fn add(self, other: Self) -> Self {
         Self {
+            load: self.load + other.load,
             capture: self.capture + other.capture,
             accumulate: self.accumulate + other.accumulate,
             finalize: self.finalize + other.finalize,
@@ -250,15 +258,16 @@ impl Report {
 }
 
 impl fmt::Display for LayerReport {
-    /// One line: `layer 3 (lightning): capture 1.20 s, accumulate 0.31 s, finalize 0.05 s,
+    /// One line: `layer 3 (lightning): load 0.00 s, capture 1.20 s, accumulate 0.31 s, finalize 0.05 s,
     /// smooth 0.02 s, solve 4.50 s, write 0.00 s, propagate 0.98 s; 4096 tokens, 1655
     /// tokens/s; <memory>`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "layer {} ({}): capture {:.2} s, accumulate {:.2} s, finalize {:.2} s, smooth {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
+            "layer {} ({}): load {:.2} s, capture {:.2} s, accumulate {:.2} s, finalize {:.2} s, smooth {:.2} s, solve {:.2} s, write {:.2} s, propagate {:.2} s; {} tokens, {:.0} tokens/s",
             self.layer,
             self.kind,
+            self.stages.load,
             self.stages.capture,
             self.stages.accumulate,
             self.stages.finalize,
@@ -545,9 +554,10 @@ pub fn device_memory_text(m: DeviceMemory) -> String {
 
 /// Keys of a report's JSON whose values differ between two runs of the same job: wall-clock
 /// seconds (per stage, per step) and memory peaks.
-pub const RUN_DEPENDENT_KEYS: [&str; 11] = [
+pub const RUN_DEPENDENT_KEYS: [&str; 12] = [
     "seconds",
     "solve_steps",
+    "load",
     "capture",
     "accumulate",
     "finalize",
@@ -603,7 +613,7 @@ mod tests {
         let json = serde_json::to_string(&layer).unwrap();
         assert_eq!(
             json,
-            r#"{"layer":3,"kind":"","samples":0,"tokens":0,"capture":1.5,"accumulate":0.0,"finalize":0.0,"smooth":0.0,"solve":0.0,"propagate":0.0,"write":0.25,"peak_device_memory":null,"peak_rss_bytes":null}"#
+            r#"{"layer":3,"kind":"","samples":0,"tokens":0,"load":0.0,"capture":1.5,"accumulate":0.0,"finalize":0.0,"smooth":0.0,"solve":0.0,"propagate":0.0,"write":0.25,"peak_device_memory":null,"peak_rss_bytes":null}"#
         );
     }
 

@@ -32,7 +32,8 @@ impl HostTensor {
 
     /// Index of the first NaN or infinite value, if any.
     pub fn first_non_finite(&self) -> Option<usize> {
-        self.data.iter().position(|v| !v.is_finite())
+        use rayon::prelude::*;
+        self.data.par_iter().position_first(|v| !v.is_finite())
     }
 
     /// Copies the values to a `D`-dimensional tensor on `device` in the backend's default float

@@ -482,3 +482,37 @@ fn profiled_fast_ops_write_the_same_checkpoint_and_report_each_layer() {
     assert!(summary.contains("lightning capture") && summary.contains("simple_gla"));
     assert_eq!(plain.op_summary(), None);
 }
+
+/// Reading each layer's weights beside the previous layer's work (the default) writes the same
+/// checkpoint as reading them in turn, and every layer reports how long it waited for them.
+#[test]
+fn prefetched_weights_write_the_same_checkpoint() {
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, prefetch: bool| {
+        let mut options = QuantizeOptions::new(Recipe::Gptq);
+        options.prefetch_weights = prefetch;
+        let out = dir.path().join(name);
+        let report = quantize(&model, options, &out);
+        (out, report)
+    };
+    let (in_turn_dir, in_turn) = run("in-turn", false);
+    let (prefetched_dir, prefetched) = run("prefetched", true);
+    for file in ["model.safetensors", "config.json"] {
+        let (a, b) = (in_turn_dir.join(file), prefetched_dir.join(file));
+        assert_eq!(
+            std::fs::read(&a).unwrap(),
+            std::fs::read(&b).unwrap(),
+            "{file}"
+        );
+    }
+    assert_eq!(in_turn.layers.len(), prefetched.layers.len());
+    for report in [&in_turn, &prefetched] {
+        for layer in &report.layers {
+            let load = layer.stages.load;
+            assert!(load.is_finite() && load >= 0.0, "layer {}: {load}", layer.layer);
+        }
+    }
+    // Read in turn, every layer waits for its own reading.
+    assert!(in_turn.layers.iter().all(|l| l.stages.load > 0.0));
+}
