@@ -32,8 +32,7 @@ impl HostTensor {
 
     /// Index of the first NaN or infinite value, if any.
     pub fn first_non_finite(&self) -> Option<usize> {
-        use rayon::prelude::*;
-        self.data.par_iter().position_first(|v| !v.is_finite())
+        self.data.iter().position(|v| !v.is_finite())
     }
 
     /// Copies the values to a `D`-dimensional tensor on `device` in the backend's default float

@@ -411,12 +411,10 @@ pub fn first_non_finite(bytes: &[u8], dtype: Dtype) -> Option<usize> {
 }
 
 /// Little-endian BF16 / F16 / F32 bytes to f32; `None` for other dtypes.
-/// Decodes on every core: a full-size layer is 285 M values, half a second on one core.
 pub(crate) fn decode_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
-    use rayon::prelude::*;
     let pairs = || {
         bytes
-            .par_chunks_exact(2)
+            .chunks_exact(2)
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
     };
     match dtype {
@@ -424,7 +422,7 @@ pub(crate) fn decode_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
         Dtype::F16 => Some(pairs().map(|b| half::f16::from_bits(b).to_f32()).collect()),
         Dtype::F32 => Some(
             bytes
-                .par_chunks_exact(4)
+                .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect(),
         ),
