@@ -510,7 +510,11 @@ fn prefetched_weights_write_the_same_checkpoint() {
     for report in [&in_turn, &prefetched] {
         for layer in &report.layers {
             let load = layer.stages.load;
-            assert!(load.is_finite() && load >= 0.0, "layer {}: {load}", layer.layer);
+            assert!(
+                load.is_finite() && load >= 0.0,
+                "layer {}: {load}",
+                layer.layer
+            );
         }
     }
     // Read in turn, every layer waits for its own reading.
