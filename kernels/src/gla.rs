@@ -11,9 +11,15 @@
 //!
 //! # Tiling
 //!
-//! One cube per (sequence, head, block of [`GLA_VALUE_BLOCK`] value columns) walks the
-//! sequence's chunks in order, keeping its `[d, 64]` slice of the state in shared memory in
-//! f32. Per chunk, 8 planes: stage `q`, `k`, the value block and the decayed values
+//! One cube per (segment, head, block of [`GLA_VALUE_BLOCK`] value columns) walks the
+//! segment's chunks in order, keeping its `[d, 64]` slice of the state in shared memory in
+//! f32. A sequence longer than [`GLA_SEGMENT`] tokens is cut into segments of that many (the
+//! last one shorter), so that one long sequence still fills the device: a first launch walks
+//! every segment but the last of its sequence with the state update alone and writes the
+//! state it leaves, starting from zero; the second computes the outputs, each segment
+//! starting from the state that enters it, `Σ_{r<s} γ^{L·(s−1−r)} S_r` over the earlier
+//! segments' local states `S_r` (`L` = [`GLA_SEGMENT`]), summed in f32 by the cube that needs
+//! it. A sequence of at most [`GLA_SEGMENT`] tokens is one segment and needs no first launch. Per chunk, 8 planes: stage `q`, `k`, the value block and the decayed values
 //! `γ^{C−1−j} v_j`; the scores `q·kᵀ` (exact products of bf16, f32 sums); the masked,
 //! decayed, scaled scores `P`; `P·v` and `q·S`; the state update `γ^C S + kᵀ(γ^{C−1−j} v)`;
 //! the output `P·v + scale·γ^{i+1} q·S`, rounded once to bf16.
@@ -45,6 +51,11 @@ pub const GLA_CHUNK: usize = 64;
 
 /// Value columns (of one head) per cube.
 pub const GLA_VALUE_BLOCK: usize = 64;
+
+/// Tokens per segment of a long sequence (a multiple of [`GLA_CHUNK`]): at most 64 chunks
+/// walked in order by one cube. A 131,072-token sequence with 32 heads of 128 is then 2048
+/// cubes instead of 64, on a device of 132 multiprocessors that each hold one.
+pub const GLA_SEGMENT: usize = 4096;
 
 /// Planes per cube.
 const PLANES: usize = 8;
@@ -89,8 +100,12 @@ pub struct GlaShape {
 /// How [`simple_gla_bf16`] tiles a problem (for benchmarks and reports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GlaTiling {
-    /// Cubes launched (sequences × heads × value blocks).
+    /// Cubes of the output launch (segments × heads × value blocks).
     pub cubes: usize,
+    /// Cubes of the launch that computes the long sequences' segment states (segments
+    /// followed by another of their sequence × heads × value blocks; 0 when no sequence is
+    /// longer than a segment).
+    pub state_cubes: usize,
     /// Bytes of shared memory per cube.
     pub shared_bytes: usize,
 }
@@ -109,8 +124,24 @@ pub fn simple_gla_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
     bf16_cmma_supported(client)
 }
 
-/// The tiling of a problem, or why the kernel cannot run it.
+/// The tiling of a problem with [`GLA_SEGMENT`]-token segments, or why the kernel cannot run
+/// it.
 pub fn gla_tiling(shape: &GlaShape, offsets: &[usize]) -> Result<GlaTiling, KernelError> {
+    segmented_tiling(shape, offsets, GLA_SEGMENT).map(|(tiling, _)| tiling)
+}
+
+/// The tiling with `segment`-token segments and the segments themselves.
+fn segmented_tiling(
+    shape: &GlaShape,
+    offsets: &[usize],
+    segment: usize,
+) -> Result<(GlaTiling, Segments), KernelError> {
+    if segment == 0 || segment % GLA_CHUNK != 0 {
+        return Err(KernelError::unsupported(
+            "gla segment",
+            format!("{segment} tokens (a positive multiple of {GLA_CHUNK})"),
+        ));
+    }
     if shape.heads == 0 {
         return Err(KernelError::shape("gla heads", "0 heads"));
     }
@@ -133,11 +164,14 @@ pub fn gla_tiling(shape: &GlaShape, offsets: &[usize]) -> Result<GlaTiling, Kern
             .saturating_mul(shape.heads)
             .saturating_mul(shape.head_dim),
     )?;
-    let sequences = offsets.len() - 1;
-    Ok(GlaTiling {
-        cubes: sequences * shape.heads * (shape.head_dim / GLA_VALUE_BLOCK),
+    let segments = Segments::of(offsets, segment);
+    let per_item = shape.heads * (shape.head_dim / GLA_VALUE_BLOCK);
+    let tiling = GlaTiling {
+        cubes: segments.outputs.len() / WORK_ITEM * per_item,
+        state_cubes: segments.states.len() / WORK_ITEM * per_item,
         shared_bytes: shared_bytes(shape.head_dim),
-    })
+    };
+    Ok((tiling, segments))
 }
 
 /// `γ_h^n` for `n = 0..=GLA_CHUNK` of every head, `[heads, GLA_CHUNK + 1]`, each computed as
@@ -158,16 +192,51 @@ fn decay_powers(log_decays: &[f64]) -> Result<Vec<f32>, KernelError> {
         .collect())
 }
 
-/// `[seq_start, seq_len]` of every sequence, longest first (the longest cubes start first and
-/// do not run alone at the end of the launch).
-fn work_list(offsets: &[usize]) -> Vec<u32> {
-    let mut items: Vec<(usize, usize)> = offsets.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
-    items.sort_by_key(|&(_, len)| Reverse(len));
-    // The offsets were checked to fit 32-bit indexing.
-    items
-        .iter()
-        .flat_map(|&(start, len)| [start as u32, len as u32])
-        .collect()
+/// `u32`s per work item: `[start, len, first_state, index]`, the segment's first token and
+/// length, the state slot of its sequence's first segment and its index in the sequence.
+const WORK_ITEM: usize = 4;
+
+/// The work lists of the two launches.
+#[derive(Debug, Clone, PartialEq)]
+struct Segments {
+    /// Every segment, longest first (the longest cubes start first and do not run alone at the
+    /// end of the launch).
+    outputs: Vec<u32>,
+    /// The segments whose state a later segment of their sequence reads.
+    states: Vec<u32>,
+    /// State slots (one per item of `states`).
+    slots: usize,
+}
+
+impl Segments {
+    /// The segments of `offsets`' sequences, `segment` tokens each (the last of a sequence
+    /// shorter); the offsets were checked to fit 32-bit indexing.
+    fn of(offsets: &[usize], segment: usize) -> Self {
+        let mut outputs = Vec::new();
+        let mut states = Vec::new();
+        let mut slots = 0;
+        for w in offsets.windows(2) {
+            let (start, len) = (w[0], w[1] - w[0]);
+            let count = len.div_ceil(segment);
+            let first_state = slots;
+            for index in 0..count {
+                let seg_start = start + index * segment;
+                let seg_len = segment.min(len - index * segment);
+                let item = [seg_start, seg_len, first_state, index].map(|x| x as u32);
+                outputs.push(item);
+                if index + 1 < count {
+                    states.push(item);
+                    slots += 1;
+                }
+            }
+        }
+        outputs.sort_by_key(|item| Reverse(item[1]));
+        Self {
+            outputs: outputs.concat(),
+            states: states.concat(),
+            slots,
+        }
+    }
 }
 
 /// Simple GLA over the sequences of `offsets` lying back to back (the state restarts with each
@@ -189,6 +258,20 @@ pub fn simple_gla_bf16<R: Runtime>(
     shape: &GlaShape,
     offsets: &[usize],
     log_decays: &[f64],
+    buffers: [&Handle; 4],
+) -> Result<GlaTiling, KernelError> {
+    simple_gla_bf16_in_segments(client, shape, offsets, log_decays, GLA_SEGMENT, buffers)
+}
+
+/// [`simple_gla_bf16`] with sequences cut into segments of `segment` tokens (a positive
+/// multiple of [`GLA_CHUNK`]) instead of [`GLA_SEGMENT`]: the same function, summed in
+/// another order (for tests of the segments' states at small sizes).
+pub fn simple_gla_bf16_in_segments<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: &GlaShape,
+    offsets: &[usize],
+    log_decays: &[f64],
+    segment: usize,
     [q, k, v, out]: [&Handle; 4],
 ) -> Result<GlaTiling, KernelError> {
     if !simple_gla_supported(client) {
@@ -197,7 +280,7 @@ pub fn simple_gla_bf16<R: Runtime>(
             "no 16×16×16 bf16 cooperative matrices with 32-unit planes on this runtime",
         ));
     }
-    let tiling = gla_tiling(shape, offsets)?;
+    let (tiling, segments) = segmented_tiling(shape, offsets, segment)?;
     if log_decays.len() != shape.heads {
         return Err(KernelError::shape(
             "gla log-decays",
@@ -220,26 +303,50 @@ pub fn simple_gla_bf16<R: Runtime>(
         }
     }
     check_cube_resources(client, "gla device", UNITS, tiling.shared_bytes)?;
-    let work = work_list(offsets);
-    let count = cube_count(client, tiling.cubes)?;
-    let work_len = work.len();
-    let work = upload_slice(client, &work);
-    let powers_len = powers.len();
-    let powers = upload_slice(client, &powers);
-    gla_kernel::launch::<R>(
-        client,
-        count,
-        CubeDim::new_1d(UNITS as u32),
-        vector_arg::<R>(q, len),
-        vector_arg::<R>(k, len),
-        typed_arg::<R, bf16>(v),
-        typed_arg::<R, bf16>(out),
-        // SAFETY: the tables hold exactly these many values.
-        unsafe { ArrayArg::from_raw_parts(powers, powers_len) },
-        unsafe { ArrayArg::from_raw_parts(work, work_len) },
-        GlaArgsLaunch::new(shape.heads, tiling.cubes, shape.scale),
-        shape.head_dim,
-    );
+    let d = shape.head_dim;
+    let state_values = (segments.slots * shape.heads * d * d).max(1);
+    check_addressable("gla segment states", state_values)?;
+    // Each state slot is written whole by the first launch before the second reads it.
+    let states = client.empty(state_values * size_of::<f32>());
+    // γ_h^L per head, from f64 like the chunk's powers.
+    let segment_decays: Vec<f32> = log_decays
+        .iter()
+        .map(|&g| (g * segment as f64).exp() as f32)
+        .collect();
+    let tables = [
+        upload_slice(client, &powers),
+        upload_slice(client, &segment_decays),
+    ];
+    let table_lens = [powers.len(), segment_decays.len()];
+    let launches = [
+        (&segments.states, tiling.state_cubes, false),
+        (&segments.outputs, tiling.cubes, true),
+    ];
+    for (work, cubes, outputs) in launches {
+        if cubes == 0 {
+            continue;
+        }
+        let count = cube_count(client, cubes)?;
+        let work_len = work.len();
+        let work = upload_slice(client, work);
+        gla_kernel::launch::<R>(
+            client,
+            count,
+            CubeDim::new_1d(UNITS as u32),
+            vector_arg::<R>(q, len),
+            vector_arg::<R>(k, len),
+            typed_arg::<R, bf16>(v),
+            typed_arg::<R, bf16>(out),
+            typed_arg::<R, f32>(&states),
+            // SAFETY: the tables hold exactly these many values.
+            unsafe { ArrayArg::from_raw_parts(tables[0].clone(), table_lens[0]) },
+            unsafe { ArrayArg::from_raw_parts(tables[1].clone(), table_lens[1]) },
+            unsafe { ArrayArg::from_raw_parts(work, work_len) },
+            GlaArgsLaunch::new(shape.heads, cubes, shape.scale),
+            d,
+            outputs,
+        );
+    }
     flush(client, "gla")?;
     Ok(tiling)
 }
@@ -290,7 +397,9 @@ fn operand(
     unsafe { cmma::Matrix::<bf16>::uninitialized(ident, TILE, TILE, TILE, layout) }
 }
 
-/// One cube per (sequence, head, value block); see the module documentation for the steps.
+/// One cube per (segment, head, value block); see the module documentation for the steps.
+/// With `outputs` it computes the segment's outputs from the state entering it; without, only
+/// the state it leaves (from zero), into its slot of `states` (`[slots, heads, d, d]`).
 ///
 /// Plane `p` computes the scores, `P·v` and `q·S` of chunk rows `16·(p % 4)..` and of two of
 /// the four 16-column fragments (`2·(p / 4)`, `+1`), and the state update of state rows
@@ -303,10 +412,13 @@ fn gla_kernel(
     k: &Array<V8>,
     v: &Array<bf16>,
     out: &mut Array<bf16>,
+    states: &mut Array<f32>,
     powers: &Array<f32>,
+    segment_decays: &Array<f32>,
     work: &Array<u32>,
     args: &GlaArgs,
     #[comptime] d: usize,
+    #[comptime] outputs: bool,
 ) {
     let cube = CUBE_POS;
     if cube < args.cubes {
@@ -321,8 +433,10 @@ fn gla_kernel(
         let block = cube % blocks;
         let head = (cube / blocks) % args.heads;
         let item = cube / (blocks * args.heads);
-        let seq_start = work[2 * item] as usize;
-        let seq_len = work[2 * item + 1] as usize;
+        let seq_start = work[WORK_ITEM * item] as usize;
+        let seq_len = work[WORK_ITEM * item + 1] as usize;
+        let first_state = work[WORK_ITEM * item + 2] as usize;
+        let index = work[WORK_ITEM * item + 3] as usize;
         let u = UNIT_POS as usize;
         let plane = u / PLANE;
         let pw = head * (c_len + 1);
@@ -343,14 +457,36 @@ fn gla_kernel(
         let mut sc = SharedMemory::<f32>::new_aligned(comptime!(GLA_CHUNK * LDF), 128usize);
         let mut qs = SharedMemory::<f32>::new_aligned(comptime!(GLA_CHUNK * LDF), 128usize);
 
-        // The state starts at zero.
+        // The state entering the segment: zero, or for the outputs of a sequence's later
+        // segment `Σ_{r<index} γ^{L·(index−1−r)} S_r`, by Horner's rule over the slots (each
+        // unit sums its own elements, so no barrier).
         #[unroll]
         for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
             let e = u + i * UNITS;
-            let r = e / GLA_VALUE_BLOCK;
-            let c = e % GLA_VALUE_BLOCK;
-            st[r * LDF + c] = 0.0f32;
-            split(0.0f32, &mut st_hi, &mut st_lo, r * LDB + c);
+            st[(e / GLA_VALUE_BLOCK) * LDF + e % GLA_VALUE_BLOCK] = 0.0f32;
+        }
+        if outputs {
+            let gamma_segment = segment_decays[head];
+            let mut r = 0usize;
+            while r < index {
+                let slot = ((first_state + r) * args.heads + head) * comptime!(d * d);
+                #[unroll]
+                for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
+                    let e = u + i * UNITS;
+                    let row = e / GLA_VALUE_BLOCK;
+                    let c = e % GLA_VALUE_BLOCK;
+                    let at = row * LDF + c;
+                    st[at] = st[at] * gamma_segment + states[slot + row * d + col0 + c];
+                }
+                r += 1;
+            }
+            #[unroll]
+            for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
+                let e = u + i * UNITS;
+                let r = e / GLA_VALUE_BLOCK;
+                let c = e % GLA_VALUE_BLOCK;
+                split(st[r * LDF + c], &mut st_hi, &mut st_lo, r * LDB + c);
+            }
         }
 
         let strip = plane % 4;
@@ -378,7 +514,9 @@ fn gla_kernel(
                     t = seq_len - 1;
                 }
                 let src = ((seq_start + t) * args.heads + head) * dv + c;
-                q_s[j * ldv + c] = q[src];
+                if outputs {
+                    q_s[j * ldv + c] = q[src];
+                }
                 k_s[j * ldv + c] = k[src];
             }
             #[unroll]
@@ -391,7 +529,9 @@ fn gla_kernel(
                     t = seq_len - 1;
                 }
                 let x = v[((seq_start + t) * args.heads + head) * d + col0 + c];
-                v_s[j * LDB + c] = x;
+                if outputs {
+                    v_s[j * LDB + c] = x;
+                }
                 split(
                     f32::cast_from(x) * powers[pw + c_len - 1 - j],
                     &mut vd_hi,
@@ -403,50 +543,54 @@ fn gla_kernel(
 
             // B. Scores q·kᵀ of the plane's rows and two column fragments.
             let mut q_frags = Sequence::<cmma::Matrix<bf16>>::new();
-            #[unroll]
-            for kk in 0..comptime!(d / TILE) {
-                let a = operand(cmma::MatrixIdent::A, cmma::MatrixLayout::RowMajor);
-                cmma::load(
-                    &a,
-                    &q_s.slice((strip * TILE * ld + kk * TILE) / VEC, q_s.len()),
-                    ld as u32,
-                );
-                q_frags.push(a);
-            }
-            #[unroll]
-            for n in 0..2usize {
-                let col = (2 * half + n) * TILE;
-                let acc = zero_acc();
+            if outputs {
                 #[unroll]
                 for kk in 0..comptime!(d / TILE) {
-                    let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::ColMajor);
+                    let a = operand(cmma::MatrixIdent::A, cmma::MatrixLayout::RowMajor);
                     cmma::load(
-                        &b,
-                        &k_s.slice((col * ld + kk * TILE) / VEC, k_s.len()),
+                        &a,
+                        &q_s.slice((strip * TILE * ld + kk * TILE) / VEC, q_s.len()),
                         ld as u32,
                     );
-                    cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
+                    q_frags.push(a);
                 }
-                cmma::store(
-                    &mut sc.slice_mut(strip * TILE * LDF + col, sc.len()),
-                    &acc,
-                    LDF as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
+                #[unroll]
+                for n in 0..2usize {
+                    let col = (2 * half + n) * TILE;
+                    let acc = zero_acc();
+                    #[unroll]
+                    for kk in 0..comptime!(d / TILE) {
+                        let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::ColMajor);
+                        cmma::load(
+                            &b,
+                            &k_s.slice((col * ld + kk * TILE) / VEC, k_s.len()),
+                            ld as u32,
+                        );
+                        cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
+                    }
+                    cmma::store(
+                        &mut sc.slice_mut(strip * TILE * LDF + col, sc.len()),
+                        &acc,
+                        LDF as u32,
+                        cmma::MatrixLayout::RowMajor,
+                    );
+                }
             }
             sync_cube();
 
             // C. P = scale · γ^{i−j} · (q_i·k_j) for j ≤ i, split; the state decays by γ^C.
-            #[unroll]
-            for i in 0..comptime!(GLA_CHUNK * GLA_CHUNK / UNITS) {
-                let e = u + i * UNITS;
-                let r = e / c_len;
-                let c = e % c_len;
-                let mut p = 0.0f32;
-                if c <= r {
-                    p = sc[r * LDF + c] * args.scale * powers[pw + r - c];
+            if outputs {
+                #[unroll]
+                for i in 0..comptime!(GLA_CHUNK * GLA_CHUNK / UNITS) {
+                    let e = u + i * UNITS;
+                    let r = e / c_len;
+                    let c = e % c_len;
+                    let mut p = 0.0f32;
+                    if c <= r {
+                        p = sc[r * LDF + c] * args.scale * powers[pw + r - c];
+                    }
+                    split(p, &mut p_hi, &mut p_lo, r * LDB + c);
                 }
-                split(p, &mut p_hi, &mut p_lo, r * LDB + c);
             }
             #[unroll]
             for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
@@ -457,57 +601,59 @@ fn gla_kernel(
             sync_cube();
 
             // D. P·v into the scores' scratch, q·S (the entering state) into its own.
-            #[unroll]
-            for n in 0..2usize {
-                let col = (2 * half + n) * TILE;
-                let pv = zero_acc();
+            if outputs {
                 #[unroll]
-                for kk in 0..comptime!(GLA_CHUNK / TILE) {
-                    let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::RowMajor);
-                    cmma::load(&b, &v_s.slice(kk * TILE * LDB + col, v_s.len()), LDB as u32);
-                    let a = operand(cmma::MatrixIdent::A, cmma::MatrixLayout::RowMajor);
-                    cmma::load(
-                        &a,
-                        &p_hi.slice(strip * TILE * LDB + kk * TILE, p_hi.len()),
-                        LDB as u32,
+                for n in 0..2usize {
+                    let col = (2 * half + n) * TILE;
+                    let pv = zero_acc();
+                    #[unroll]
+                    for kk in 0..comptime!(GLA_CHUNK / TILE) {
+                        let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::RowMajor);
+                        cmma::load(&b, &v_s.slice(kk * TILE * LDB + col, v_s.len()), LDB as u32);
+                        let a = operand(cmma::MatrixIdent::A, cmma::MatrixLayout::RowMajor);
+                        cmma::load(
+                            &a,
+                            &p_hi.slice(strip * TILE * LDB + kk * TILE, p_hi.len()),
+                            LDB as u32,
+                        );
+                        cmma::execute::<bf16, bf16, f32, f32>(&a, &b, &pv, &pv);
+                        cmma::load(
+                            &a,
+                            &p_lo.slice(strip * TILE * LDB + kk * TILE, p_lo.len()),
+                            LDB as u32,
+                        );
+                        cmma::execute::<bf16, bf16, f32, f32>(&a, &b, &pv, &pv);
+                    }
+                    cmma::store(
+                        &mut sc.slice_mut(strip * TILE * LDF + col, sc.len()),
+                        &pv,
+                        LDF as u32,
+                        cmma::MatrixLayout::RowMajor,
                     );
-                    cmma::execute::<bf16, bf16, f32, f32>(&a, &b, &pv, &pv);
-                    cmma::load(
-                        &a,
-                        &p_lo.slice(strip * TILE * LDB + kk * TILE, p_lo.len()),
-                        LDB as u32,
+                    let acc = zero_acc();
+                    #[unroll]
+                    for kk in 0..comptime!(d / TILE) {
+                        let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::RowMajor);
+                        cmma::load(
+                            &b,
+                            &st_hi.slice(kk * TILE * LDB + col, st_hi.len()),
+                            LDB as u32,
+                        );
+                        cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
+                        cmma::load(
+                            &b,
+                            &st_lo.slice(kk * TILE * LDB + col, st_lo.len()),
+                            LDB as u32,
+                        );
+                        cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
+                    }
+                    cmma::store(
+                        &mut qs.slice_mut(strip * TILE * LDF + col, qs.len()),
+                        &acc,
+                        LDF as u32,
+                        cmma::MatrixLayout::RowMajor,
                     );
-                    cmma::execute::<bf16, bf16, f32, f32>(&a, &b, &pv, &pv);
                 }
-                cmma::store(
-                    &mut sc.slice_mut(strip * TILE * LDF + col, sc.len()),
-                    &pv,
-                    LDF as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
-                let acc = zero_acc();
-                #[unroll]
-                for kk in 0..comptime!(d / TILE) {
-                    let b = operand(cmma::MatrixIdent::B, cmma::MatrixLayout::RowMajor);
-                    cmma::load(
-                        &b,
-                        &st_hi.slice(kk * TILE * LDB + col, st_hi.len()),
-                        LDB as u32,
-                    );
-                    cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
-                    cmma::load(
-                        &b,
-                        &st_lo.slice(kk * TILE * LDB + col, st_lo.len()),
-                        LDB as u32,
-                    );
-                    cmma::execute::<bf16, bf16, f32, f32>(q_frags.index(kk), &b, &acc, &acc);
-                }
-                cmma::store(
-                    &mut qs.slice_mut(strip * TILE * LDF + col, qs.len()),
-                    &acc,
-                    LDF as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
             }
             // The state update γ^C S + kᵀ(γ^{C−1−j} v) of the plane's state fragments (no
             // other plane reads the f32 state in this step).
@@ -555,25 +701,39 @@ fn gla_kernel(
 
             // E. The output of the chunk's rows inside the sequence, and the new state's halves
             // for the next chunk's q·S (its staging touches neither).
-            #[unroll]
-            for i in 0..comptime!(GLA_CHUNK * GLA_VALUE_BLOCK / UNITS) {
-                let e = u + i * UNITS;
-                let r = e / GLA_VALUE_BLOCK;
-                let c = e % GLA_VALUE_BLOCK;
-                if t0 + r < seq_len {
-                    let o = sc[r * LDF + c] + qs[r * LDF + c] * (args.scale * powers[pw + r + 1]);
-                    out[((seq_start + t0 + r) * args.heads + head) * d + col0 + c] =
-                        bf16::cast_from(o);
+            if outputs {
+                #[unroll]
+                for i in 0..comptime!(GLA_CHUNK * GLA_VALUE_BLOCK / UNITS) {
+                    let e = u + i * UNITS;
+                    let r = e / GLA_VALUE_BLOCK;
+                    let c = e % GLA_VALUE_BLOCK;
+                    if t0 + r < seq_len {
+                        let o =
+                            sc[r * LDF + c] + qs[r * LDF + c] * (args.scale * powers[pw + r + 1]);
+                        out[((seq_start + t0 + r) * args.heads + head) * d + col0 + c] =
+                            bf16::cast_from(o);
+                    }
+                }
+                #[unroll]
+                for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
+                    let e = u + i * UNITS;
+                    let r = e / GLA_VALUE_BLOCK;
+                    let c = e % GLA_VALUE_BLOCK;
+                    split(st[r * LDF + c], &mut st_hi, &mut st_lo, r * LDB + c);
                 }
             }
+            chunk += 1;
+        }
+        if !outputs {
+            // The state the segment leaves (complete since the last chunk's barrier).
+            let slot = ((first_state + index) * args.heads + head) * comptime!(d * d);
             #[unroll]
             for i in 0..comptime!(d * GLA_VALUE_BLOCK / UNITS) {
                 let e = u + i * UNITS;
                 let r = e / GLA_VALUE_BLOCK;
                 let c = e % GLA_VALUE_BLOCK;
-                split(st[r * LDF + c], &mut st_hi, &mut st_lo, r * LDB + c);
+                states[slot + r * d + col0 + c] = st[r * LDF + c];
             }
-            chunk += 1;
         }
     }
 }
@@ -584,7 +744,35 @@ mod tests {
 
     #[test]
     fn work_items_are_every_sequence_longest_first() {
-        assert_eq!(work_list(&[0, 5, 105, 108]), vec![5, 100, 0, 5, 105, 3]);
+        let s = Segments::of(&[0, 5, 105, 108], GLA_SEGMENT);
+        assert_eq!(s.outputs, vec![5, 100, 0, 0, 0, 5, 0, 0, 105, 3, 0, 0]);
+        assert!(s.states.is_empty());
+        assert_eq!(s.slots, 0);
+    }
+
+    #[test]
+    fn long_sequences_are_cut_into_segments_with_state_slots() {
+        // 300 tokens in segments of 128: 128, 128, 44 (slots 0 and 1); then 128 tokens, one
+        // segment; then 129: 128 and 1 (slot 2).
+        let s = Segments::of(&[0, 300, 428, 557], 128);
+        assert_eq!(s.slots, 3);
+        assert_eq!(s.states, vec![0, 128, 0, 0, 128, 128, 0, 1, 428, 128, 2, 0]);
+        assert_eq!(
+            s.outputs,
+            vec![
+                0, 128, 0, 0, 128, 128, 0, 1, 300, 128, 2, 0, 428, 128, 2, 0, 256, 44, 0, 2, 556,
+                1, 2, 1,
+            ]
+        );
+        let shape = GlaShape {
+            heads: 32,
+            head_dim: 128,
+            scale: 0.088,
+        };
+        let t = gla_tiling(&shape, &[0, 131_072]).unwrap();
+        assert_eq!((t.cubes, t.state_cubes), (32 * 64, 31 * 64));
+        assert!(segmented_tiling(&shape, &[0, 16], 100).is_err());
+        assert!(segmented_tiling(&shape, &[0, 16], 0).is_err());
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! `simple_gla_bf16` (tensor cores) against the recurrence in f64 on bf16 inputs: varlen packs
 //! whose sequences end inside a chunk and span several, both head dims, the model's decays
 //! (from fast to none), a pack equal to each sequence alone, and a long sequence whose state
-//! grows. The kernel claims f32 precision before its one rounding to bf16, so the check is
+//! grows; sequences cut into segments (short ones here, so that a segment's state crosses
+//! several boundaries, and the default ones on a sequence longer than one). The kernel claims f32 precision before its one rounding to bf16, so the check is
 //! elementwise at one bf16 ulp. Runtimes without bf16 cooperative matrices (lavapipe) skip
 //! with a notice: there the kernel refuses to run, which is checked too.
 
 use cubecl::server::Handle;
 use half::bf16;
-use sala_kernels::gla::{simple_gla_bf16, simple_gla_supported, GlaShape};
+use sala_kernels::gla::{
+    simple_gla_bf16, simple_gla_bf16_in_segments, simple_gla_supported, GlaShape, GLA_SEGMENT,
+};
 use sala_kernels::KernelError;
 
 use crate::attention::offsets_of;
@@ -67,11 +70,27 @@ fn run(
     shape: &GlaShape,
     offsets: &[usize],
     g: &[f64],
+    qkv: [&[f32]; 3],
+) -> Result<Vec<f32>, KernelError> {
+    run_in_segments(client, shape, offsets, g, GLA_SEGMENT, qkv)
+}
+
+/// [`run`] with sequences cut into segments of `segment` tokens.
+fn run_in_segments(
+    client: &Client,
+    shape: &GlaShape,
+    offsets: &[usize],
+    g: &[f64],
+    segment: usize,
     [q, k, v]: [&[f32]; 3],
 ) -> Result<Vec<f32>, KernelError> {
     let out = upload(client, &vec![f32::NAN; q.len()]);
     let (q, k, v) = (upload(client, q), upload(client, k), upload(client, v));
-    simple_gla_bf16(client, shape, offsets, g, [&q, &k, &v, &out])?;
+    let buffers = [&q, &k, &v, &out];
+    match segment {
+        GLA_SEGMENT => simple_gla_bf16(client, shape, offsets, g, buffers)?,
+        _ => simple_gla_bf16_in_segments(client, shape, offsets, g, segment, buffers)?,
+    };
     let bytes = client.read_one(out).map_err(|e| KernelError::Read {
         what: "gla output",
         message: format!("{e:?}"),
@@ -202,4 +221,47 @@ fn refuses_growing_decays_and_short_buffers() {
     assert!(growing.is_err());
     let short = run(&client, &s, &[0, 9], &[-0.1, -0.2], [&x, &x, &x]);
     assert!(short.is_err());
+}
+
+#[test]
+fn segments_carry_the_state_across_their_boundaries() {
+    let Some(client) = client() else {
+        return;
+    };
+    if !simple_gla_supported(&client) {
+        return;
+    }
+    let mut rng = Rng::new(64);
+    let inputs = |rng: &mut Rng, n: usize| {
+        [
+            random_bf16(rng, n),
+            random_bf16(rng, n),
+            random_bf16(rng, n),
+        ]
+    };
+    // Segments of 128 tokens: a sequence of five (the last ending inside a chunk), one of
+    // exactly one, one with a single token past it, a token alone, one ending on a chunk.
+    let lengths = [600, 128, 129, 1, 320];
+    for (heads, d) in [(4, 64), (3, 128)] {
+        let s = shape(heads, d);
+        let offsets = offsets_of(&lengths);
+        let [q, k, v] = inputs(&mut rng, offsets.last().unwrap() * heads * d);
+        let g = log_decays(heads);
+        let got = run_in_segments(&client, &s, &offsets, &g, 128, [&q, &k, &v]).unwrap();
+        let want = reference(&s, &offsets, &g, [&q, &k, &v]);
+        assert_close(
+            &got,
+            &want,
+            &format!("segments of 128, heads {heads} d {d}"),
+        );
+    }
+    // The default segments, on a sequence one segment and a partial chunk long.
+    let (heads, d) = (2, 64);
+    let s = shape(heads, d);
+    let offsets = offsets_of(&[GLA_SEGMENT + 200, 70]);
+    let [q, k, v] = inputs(&mut rng, offsets.last().unwrap() * heads * d);
+    let g = vec![-0.0039, 0.0];
+    let got = run(&client, &s, &offsets, &g, [&q, &k, &v]).unwrap();
+    let want = reference(&s, &offsets, &g, [&q, &k, &v]);
+    assert_close(&got, &want, "default segments");
 }
