@@ -497,11 +497,17 @@ fn time(run: &RunReport) -> Result<Option<String>, ReportError> {
             .y_desc("seconds")
             .x_label_formatter(&ticks)
             .draw()?;
-        let stages = run.layers[0].stages.named().map(|(name, _)| name);
+        let with_load = run.reports_load();
+        let stages: Vec<&str> = run.layers[0]
+            .stages
+            .named(with_load)
+            .iter()
+            .map(|(name, _)| *name)
+            .collect();
         for (k, stage) in stages.iter().enumerate() {
             let c = colour(k);
             let bars = run.layers.iter().map(|l| {
-                let named = l.stages.named();
+                let named = l.stages.named(with_load);
                 let below: f64 = named[..k].iter().map(|(_, s)| s).sum();
                 let x = l.layer as f64;
                 Rectangle::new(

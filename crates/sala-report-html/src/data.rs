@@ -77,6 +77,14 @@ pub struct RunReport {
     pub verify_summary: String,
 }
 
+impl RunReport {
+    /// Whether any layer reports the seconds it waited for its weights (reports from the
+    /// twenty-sixth session on): the layer table and the time chart then show a load stage.
+    pub fn reports_load(&self) -> bool {
+        self.layers.iter().any(|l| l.stages.load.is_some())
+    }
+}
+
 /// One quantized linear.
 #[derive(Debug, Clone, Deserialize)]
 pub struct LinearReport {
@@ -189,7 +197,9 @@ pub struct LayerReport {
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 #[serde(default)]
 pub struct StageSeconds {
-    /// Loading weights and the forward passes with taps.
+    /// Waiting for the layer's weights; absent from reports of versions whose capture held it.
+    pub load: Option<f64>,
+    /// The forward passes with taps (loading the weights included where `load` is absent).
     pub capture: f64,
     /// Accumulating the statistics.
     pub accumulate: f64,
@@ -206,22 +216,27 @@ pub struct StageSeconds {
 }
 
 impl StageSeconds {
-    /// `(name, seconds)` in the order of a layer's work.
-    pub fn named(&self) -> [(&'static str, f64); 7] {
-        [
-            ("capture", self.capture),
-            ("accumulate", self.accumulate),
-            ("finalize", self.finalize),
-            ("smooth", self.smooth),
-            ("solve", self.solve),
-            ("propagate", self.propagate),
-            ("write", self.write),
-        ]
+    /// `(name, seconds)` in the order of a layer's work, `load` first when `with_load` (0 for a
+    /// layer that lacks it): one list of columns for every layer of a run
+    /// ([`RunReport::reports_load`]).
+    pub fn named(&self, with_load: bool) -> Vec<(&'static str, f64)> {
+        let load = with_load.then(|| ("load", self.load.unwrap_or(0.0)));
+        load.into_iter()
+            .chain([
+                ("capture", self.capture),
+                ("accumulate", self.accumulate),
+                ("finalize", self.finalize),
+                ("smooth", self.smooth),
+                ("solve", self.solve),
+                ("propagate", self.propagate),
+                ("write", self.write),
+            ])
+            .collect()
     }
 
     /// All stages.
     pub fn total(&self) -> f64 {
-        self.named().iter().map(|(_, s)| s).sum()
+        self.named(true).iter().map(|(_, s)| s).sum()
     }
 }
 

@@ -318,10 +318,12 @@ impl View {
             None => (Vec::new(), Vec::new()),
         };
         let linears = run.linears.iter().map(linear_row).collect();
+        let with_load = run.reports_load();
         let stage_names = crate::data::StageSeconds::default()
-            .named()
-            .map(|(n, _)| n)
-            .to_vec();
+            .named(with_load)
+            .iter()
+            .map(|(n, _)| *n)
+            .collect();
         let layers = run
             .layers
             .iter()
@@ -332,7 +334,7 @@ impl View {
                 tokens: l.tokens,
                 stages: l
                     .stages
-                    .named()
+                    .named(with_load)
                     .iter()
                     .map(|(_, s)| format!("{s:.2}"))
                     .collect(),

@@ -268,3 +268,37 @@ fn a_run_that_mixes_full_and_diagonal_errors_says_so() {
     );
     assert!(page.contains(&expected), "no '{expected}' on the page");
 }
+
+#[test]
+fn the_load_stage_is_a_column_when_the_report_has_it() {
+    let (mut inputs, mut json) = inputs("gptq-w4a16");
+    let header = "<th>load s</th>";
+    assert!(
+        !render(&inputs).unwrap().contains(header),
+        "an older report has no load stage"
+    );
+    let layers = json["report"]["layers"].as_array_mut().unwrap();
+    for l in layers.iter_mut() {
+        l["load"] = serde_json::json!(0.25);
+        l["capture"] = serde_json::json!(1.0);
+        for stage in [
+            "accumulate",
+            "finalize",
+            "smooth",
+            "solve",
+            "propagate",
+            "write",
+        ] {
+            l[stage] = serde_json::json!(0.0);
+        }
+    }
+    let page = render_with_report(&mut inputs, &json, "load");
+    assert!(page.contains(header), "no load column");
+    // Each layer's row: load, capture, five zero stages, then the total with the load in it.
+    let row = "<td class=\"n\">0.25</td><td class=\"n\">1.00</td>";
+    assert!(page.contains(row), "no load cell before capture");
+    assert!(
+        page.contains("<td class=\"n\">0.00</td><td class=\"n\">1.25</td>"),
+        "the total lacks the load"
+    );
+}
