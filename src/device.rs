@@ -138,20 +138,20 @@ fn run_cuda<J: DeviceJob>(
             let _ = cuda_keep_freed_memory(free.saturating_sub(total / 20));
         }
     }
+    // One set of page-locked staging buffers for the solvers' copies and the weights' uploads.
+    let transfer = Arc::new(
+        sala_kernels::cuda::DriverTransfer::new(0)
+            .map_err(|e| format!("the GPU's host copies: {e}"))?,
+    );
     let (solver, resident): (Box<dyn LinearSolver>, Option<Arc<dyn ResidentSolver<_>>>) =
         if host_solver {
             (Box::new(CpuSolver), None)
         } else {
-            // One set of page-locked staging buffers for both solvers.
-            let transfer = Arc::new(
-                sala_kernels::cuda::DriverTransfer::new(0)
-                    .map_err(|e| format!("the GPU solver's copies: {e}"))?,
-            );
             let resident: Arc<dyn ResidentSolver<CudaBackend>> =
                 Arc::new(CudaResident(cuda_solver(transfer.clone())?));
-            (Box::new(cuda_solver(transfer)?), Some(resident))
+            (Box::new(cuda_solver(transfer.clone())?), Some(resident))
         };
-    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops());
+    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops().with_transfer(transfer));
     job.run::<CudaBackend>(
         CudaDevice::default(),
         Some(cuda_memory),

@@ -141,6 +141,19 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// The flat tensor `[bytes.len() / dtype.size()]` of `dtype` on `device` whose values are
+    /// `bytes` (native byte order); `Ok(None)` where the backend's own upload (`from_data`) is
+    /// the fast way. How a layer's weights reach the device, twice per layer.
+    fn upload_host(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Option<Tensor<B, 1>>> {
+        let _ = (bytes, dtype, device);
+        Ok(None)
+    }
+
     /// `h + Σ_r w_r X_rᵀX_r` over the runs of rows `runs` lying back to back in `x`
     /// `[Σ rows, dim]` (storage dtype), `h` `[dim, dim]` f32: with [`sample_runs`]' weights
     /// `1/T_s`, the per-sample-normalised Hessian sums of calibration. By default the graph's
@@ -267,7 +280,7 @@ mod cube {
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
-        HopperAttention, LinearShape, XtxRun,
+        DriverTransfer, HopperAttention, LinearShape, XtxRun,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -292,11 +305,12 @@ mod cube {
     /// head dimension allows, else the portable CubeCL kernel for bf16, f16 or f32 tensors)
     /// and, with a cuBLAS handle, bf16 linears and Hessians as cuBLAS GEMMs and, for head
     /// dimensions the flash kernel lacks, the attention of long bf16 sequences blocked on
-    /// cuBLAS.
+    /// cuBLAS; with a [`DriverTransfer`], uploads through its page-locked staging.
     #[derive(Debug, Clone, Default)]
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
         hopper: Option<Arc<HopperAttention>>,
+        transfer: Option<Arc<DriverTransfer>>,
     }
 
     impl CudaFastOps {
@@ -309,7 +323,7 @@ mod cube {
         pub fn with_cublas(blas: Arc<Cublas>) -> Self {
             Self {
                 blas: Some(blas),
-                hopper: None,
+                ..Self::default()
             }
         }
 
@@ -318,6 +332,16 @@ mod cube {
         pub fn with_hopper_attention(self, hopper: Arc<HopperAttention>) -> Self {
             Self {
                 hopper: Some(hopper),
+                ..self
+            }
+        }
+
+        /// The same, uploading host tensors (a layer's weights, twice per layer) through
+        /// `transfer`'s page-locked staging: CubeCL's own upload moved 0.45–0.6 GB/s
+        /// (`bench_forward`'s weight upload, 0.9 s per layer at full size).
+        pub fn with_transfer(self, transfer: Arc<DriverTransfer>) -> Self {
+            Self {
+                transfer: Some(transfer),
                 ..self
             }
         }
@@ -414,6 +438,28 @@ mod cube {
                 None => "linears on burn's matmul",
             };
             format!("{attention}, {linears}")
+        }
+
+        fn upload_host(
+            &self,
+            bytes: &[u8],
+            dtype: DType,
+            device: &<R as cubecl::Runtime>::Device,
+        ) -> Result<Option<CudaTensor<F, I, BT, 1>>> {
+            let Some(transfer) = &self.transfer else {
+                return Ok(None);
+            };
+            if !matches!(dtype, DType::F32 | DType::BF16) || bytes.len() % dtype.size() != 0 {
+                return Ok(None);
+            }
+            let client = <R as cubecl::Runtime>::client(device);
+            let handle = transfer
+                .upload_bytes(&client, bytes)
+                .map_err(kernel_error("upload"))?;
+            let len = bytes.len() / dtype.size();
+            let out =
+                CubeTensor::new_contiguous(client, device.clone(), [len].into(), handle, dtype);
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
         }
 
         fn accumulate_gram(

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
@@ -235,6 +235,16 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
     fn to_host(&self, x: &Tensor<B, 2>) -> Option<Vec<f32>> {
         // Downloads synchronise by themselves; timed only as part of the caller's stage.
         self.inner.to_host(x)
+    }
+
+    fn upload_host(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Option<Tensor<B, 1>>> {
+        // Uploads synchronise by themselves; timed only as part of the caller's stage.
+        self.inner.upload_host(bytes, dtype, device)
     }
 
     fn accumulate_gram(

@@ -96,22 +96,49 @@ fn row_ranges(lengths: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>>
 
 /// `values` as a flat tensor of `dtype` on `device`. bf16 is converted on the host in parallel
 /// chunks (SIMD where the CPU has it) and uploaded as bf16: half the bytes over the bus, and
-/// none of burn's one-value-at-a-time conversion (seconds per layer at full size).
-fn upload_flat<B: Backend>(values: &[f32], device: &B::Device, dtype: DType) -> Tensor<B, 1> {
+/// none of burn's one-value-at-a-time conversion (seconds per layer at full size). The bytes go
+/// up through `fast`'s [`FastOps::upload_host`] where it has one, else through burn's
+/// `from_data`.
+fn upload_flat<B: Backend>(
+    values: &[f32],
+    device: &B::Device,
+    dtype: DType,
+    fast: Option<&dyn FastOps<B>>,
+) -> Result<Tensor<B, 1>> {
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 16;
     if dtype != DType::BF16 {
-        return Tensor::from_data(
+        if let Some(t) = fast_upload(fast, bytemuck::cast_slice(values), dtype, device)? {
+            return Ok(t);
+        }
+        return Ok(Tensor::from_data(
             TensorData::new(values.to_vec(), [values.len()]),
             (device, dtype),
-        );
+        ));
     }
     let mut bits = vec![half::bf16::ZERO; values.len()];
     bits.par_chunks_mut(CHUNK)
         .zip(values.par_chunks(CHUNK))
         .for_each(|(dst, src)| dst.convert_from_f32_slice(src));
-    Tensor::from_data(TensorData::new(bits, [values.len()]), (device, dtype))
+    if let Some(t) = fast_upload(fast, bytemuck::cast_slice(&bits), dtype, device)? {
+        return Ok(t);
+    }
+    Ok(Tensor::from_data(
+        TensorData::new(bits, [values.len()]),
+        (device, dtype),
+    ))
+}
+
+/// `bytes` uploaded through `fast`'s [`FastOps::upload_host`]; `None` without fast ops or where
+/// they leave the upload to burn.
+fn fast_upload<B: Backend>(
+    fast: Option<&dyn FastOps<B>>,
+    bytes: &[u8],
+    dtype: DType,
+    device: &B::Device,
+) -> Result<Option<Tensor<B, 1>>> {
+    fast.map_or(Ok(None), |f| f.upload_host(bytes, dtype, device))
 }
 
 /// The token embedding `[vocab, hidden]` uploaded once to a runner's device
@@ -244,7 +271,7 @@ impl<B: Backend> LayerRunner<B> {
             .map(|spec| {
                 let host = weights.get(&spec.name)?;
                 check_host_shape(&spec.name, host, &spec.shape)?;
-                Ok(upload_flat::<B>(&host.data, &self.device, dtype))
+                upload_flat::<B>(&host.data, &self.device, dtype, self.fast_ops())
             })
             .collect::<Result<Vec<_>>>()?;
         DeviceLayerWeights::new(&self.config, layer, tensors)
@@ -287,7 +314,10 @@ impl<B: Backend> LayerRunner<B> {
                 let end = (start + EMBEDDING_UPLOAD_ROWS).min(vocab);
                 let ids: Vec<u32> = (start..end).map(|i| i as u32).collect();
                 let rows = store.rows_f32(EMBED_TOKENS, &ids)?;
-                Ok(upload_flat::<B>(&rows.data, &self.device, dtype).reshape([end - start, width]))
+                Ok(
+                    upload_flat::<B>(&rows.data, &self.device, dtype, self.fast_ops())?
+                        .reshape([end - start, width]),
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         store.release(EMBED_TOKENS);

@@ -552,3 +552,112 @@ fn profiled_ops_give_the_same_layer_and_count_each_op() {
         assert!(profile.take().is_empty(), "take starts afresh");
     }
 }
+
+/// Fast ops that answer host uploads themselves (or, with `answer` off, leave them to burn's
+/// `from_data`), counting the bytes they were handed; every other op is the graph's.
+#[derive(Debug)]
+struct HostUploads {
+    answer: bool,
+    fail: bool,
+    calls: std::sync::atomic::AtomicUsize,
+    bytes: std::sync::atomic::AtomicUsize,
+}
+
+impl HostUploads {
+    fn new(answer: bool, fail: bool) -> Self {
+        Self {
+            answer,
+            fail,
+            calls: Default::default(),
+            bytes: Default::default(),
+        }
+    }
+}
+
+impl FastOps<B> for HostUploads {
+    fn causal_attention(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        lengths: &[usize],
+        scale: f32,
+    ) -> sala_model::Result<Tensor<B, 3>> {
+        CpuFastOps::new(Numerics::F32).causal_attention(q, k, v, lengths, scale)
+    }
+
+    fn upload_host(
+        &self,
+        bytes: &[u8],
+        dtype: burn::tensor::DType,
+        device: &burn_ndarray::NdArrayDevice,
+    ) -> sala_model::Result<Option<Tensor<B, 1>>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        self.bytes.fetch_add(bytes.len(), Relaxed);
+        if self.fail {
+            return Err(ModelError::InvalidInput("the upload failed".into()));
+        }
+        let len = bytes.len() / dtype.size();
+        Ok(self.answer.then(|| {
+            let data = burn::tensor::TensorData::from_bytes_vec(bytes.to_vec(), [len], dtype);
+            Tensor::from_data(data, (device, dtype))
+        }))
+    }
+}
+
+/// A layer's weights and the embedding table go up through `FastOps::upload_host` where the fast
+/// ops answer it, every byte of them once, and the layer computes the same outputs bit for bit
+/// as with burn's own upload; a failed upload is the runner's error.
+#[test]
+fn uploads_go_through_the_fast_ops_and_change_nothing() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (config, store) = open("tiny-sala");
+    let runner = |ops: &Arc<HostUploads>| {
+        let ops: Arc<dyn FastOps<B>> = ops.clone();
+        LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default())
+            .with_fast_ops(ops)
+    };
+    let (answering, declining) = (
+        Arc::new(HostUploads::new(true, false)),
+        Arc::new(HostUploads::new(false, false)),
+    );
+    let (fast, plain) = (runner(&answering), runner(&declining));
+    let lengths = [6, 5];
+    let pack = plain.embed(&store, &ids(11)).unwrap();
+    for layer in 0..config.num_layers() {
+        let weights = LayerWeights::load(&store, &config, layer).unwrap();
+        let values: usize = weights.tensors.values().map(|t| t.data.len()).sum();
+        let before = answering.bytes.load(Relaxed);
+        let on_fast = fast.upload(&weights).unwrap();
+        assert_eq!(answering.bytes.load(Relaxed) - before, 4 * values);
+        let want = plain
+            .run_pack_from(
+                &plain.upload(&weights).unwrap(),
+                pack.clone(),
+                &lengths,
+                |_, _, _| {},
+            )
+            .unwrap();
+        let got = fast
+            .run_pack_from(&on_fast, pack.clone(), &lengths, |_, _, _| {})
+            .unwrap();
+        assert_eq!(to_vec(got), to_vec(want), "layer {layer}");
+    }
+    let calls = answering.calls.load(Relaxed);
+    assert_eq!(calls, declining.calls.load(Relaxed), "both were asked");
+    let table = fast.upload_embedding(&store).unwrap();
+    assert!(
+        answering.calls.load(Relaxed) > calls,
+        "the embedding went up too"
+    );
+    let tokens = ids(9);
+    assert_eq!(
+        to_vec(fast.embed_on_device(&table, &tokens).unwrap()),
+        to_vec(plain.embed(&store, &tokens).unwrap())
+    );
+    let failing = runner(&Arc::new(HostUploads::new(true, true)));
+    let weights = LayerWeights::load(&store, &config, 0).unwrap();
+    let err = failing.upload(&weights).unwrap_err().to_string();
+    assert!(err.contains("the upload failed"), "{err}");
+}
