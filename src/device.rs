@@ -97,17 +97,48 @@ pub trait DeviceJob {
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
 
+/// Choices of the GPU path (none of them changes a number of the result).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuPath {
+    /// Solve GPTQ and the NVFP4 search on the host (faer) instead of the device kernels.
+    pub host_solver: bool,
+    /// Run each tap's Hessian products before the forward goes on, instead of on a stream of
+    /// their own beside it (which holds up to [`hessian_in_flight_bytes`] of inputs longer).
+    pub serial_hessians: bool,
+}
+
+/// Device bytes the GPU path's Hessian products in flight may hold beyond the forward's own
+/// (`sala_kernels::cuda::XTX_IN_FLIGHT_BYTES` on CUDA unless `serial_hessians`; 0 elsewhere):
+/// what a memory plan adds to a layer's fixed bytes.
+pub fn hessian_in_flight_bytes(device: DeviceArg, path: GpuPath) -> u64 {
+    match device {
+        DeviceArg::Cuda if !path.serial_hessians => cuda_in_flight_bytes(),
+        _ => 0,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_in_flight_bytes() -> u64 {
+    sala_kernels::cuda::XTX_IN_FLIGHT_BYTES
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_in_flight_bytes() -> u64 {
+    0
+}
+
 /// Runs `job` on `device`'s backend; `example` names the binary in the refusal of
 /// `--device cuda` without the `cuda` feature. On the GPU the linears are solved there too
 /// (`sala_kernels::DeviceSolver`: cuBLAS trailing updates, CubeCL column loop and block
-/// search) unless `host_solver`.
+/// search) unless `gpu.host_solver`, and the Hessian products run beside the forward unless
+/// `gpu.serial_hessians`.
 ///
 /// On the CPU, `cpu_fast_ops` (the run's numerics) runs the layers' products and fused steps
 /// with [`CpuFastOps`] on every core; `None` keeps burn-ndarray's graph ops (the reference).
 pub fn dispatch<J: DeviceJob>(
     device: DeviceArg,
     example: &str,
-    host_solver: bool,
+    gpu: GpuPath,
     cpu_fast_ops: Option<Numerics>,
     job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
@@ -118,14 +149,14 @@ pub fn dispatch<J: DeviceJob>(
             });
             job.run::<CpuBackend>(Default::default(), None, Box::new(CpuSolver), None, fast)
         }
-        DeviceArg::Cuda => run_cuda(example, host_solver, job),
+        DeviceArg::Cuda => run_cuda(example, gpu, job),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn run_cuda<J: DeviceJob>(
     _example: &str,
-    host_solver: bool,
+    gpu: GpuPath,
     job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
     use sala_gptq::{configure_cuda_runtime, cuda_memory, CudaBackend, CudaDevice};
@@ -144,14 +175,21 @@ fn run_cuda<J: DeviceJob>(
             .map_err(|e| format!("the GPU's host copies: {e}"))?,
     );
     let (solver, resident): (Box<dyn LinearSolver>, Option<Arc<dyn ResidentSolver<_>>>) =
-        if host_solver {
+        if gpu.host_solver {
             (Box::new(CpuSolver), None)
         } else {
             let resident: Arc<dyn ResidentSolver<CudaBackend>> =
                 Arc::new(CudaResident(cuda_solver(transfer.clone())?));
             (Box::new(cuda_solver(transfer.clone())?), Some(resident))
         };
-    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(cuda_fast_ops().with_transfer(transfer));
+    let mut fast = cuda_fast_ops().with_transfer(transfer);
+    if !gpu.serial_hessians {
+        let stream =
+            sala_kernels::cuda::XtxStream::new(0, hessian_in_flight_bytes(DeviceArg::Cuda, gpu))
+                .map_err(|e| format!("the Hessians' own stream: {e}"))?;
+        fast = fast.with_hessian_stream(Arc::new(stream));
+    }
+    let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(fast);
     job.run::<CudaBackend>(
         CudaDevice::default(),
         Some(cuda_memory),
@@ -394,7 +432,7 @@ fn cuda_memory_info() -> Result<Option<(u64, u64)>, Box<dyn Error>> {
 #[cfg(not(feature = "cuda"))]
 fn run_cuda<J: DeviceJob>(
     example: &str,
-    _host_solver: bool,
+    _gpu: GpuPath,
     _job: J,
 ) -> Result<J::Output, Box<dyn Error>> {
     Err(cuda_missing(example).into())
@@ -403,6 +441,18 @@ fn run_cuda<J: DeviceJob>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_cuda_hessians_beside_the_forward_hold_memory() {
+        let serial = GpuPath {
+            serial_hessians: true,
+            ..GpuPath::default()
+        };
+        assert_eq!(hessian_in_flight_bytes(DeviceArg::Cpu, GpuPath::default()), 0);
+        assert_eq!(hessian_in_flight_bytes(DeviceArg::Cuda, serial), 0);
+        let beside = hessian_in_flight_bytes(DeviceArg::Cuda, GpuPath::default());
+        assert_eq!(beside > 0, CUDA_BUILT, "{beside}");
+    }
 
     #[test]
     fn cuda_is_refused_exactly_when_the_feature_is_off() {

@@ -4,7 +4,7 @@
 //! projection of the production calibration run's forward passes from those figures. Can dump
 //! each layer's weights, inputs and outputs for the PyTorch comparison (`bench/torch_layer.py`).
 
-use crate::device::{dispatch, DeviceArg, DeviceJob};
+use crate::device::{dispatch, DeviceArg, DeviceJob, GpuPath};
 use crate::synthetic_cli::SALA_9B_CONFIG;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -180,7 +180,16 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         profile_ops: args.profile_ops,
     };
     let cpu_fast_ops = (!args.graph_ops).then_some(job.numerics);
-    let report = dispatch(args.device, "bench_forward", true, cpu_fast_ops, job)?;
+    let report = dispatch(
+        args.device,
+        "bench_forward",
+        GpuPath {
+            host_solver: true,
+            ..GpuPath::default()
+        },
+        cpu_fast_ops,
+        job,
+    )?;
     print_report(&report);
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;

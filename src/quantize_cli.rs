@@ -2,7 +2,7 @@
 //! library so that its error paths are tested (`tests/quantize_cli.rs`); the example binary only
 //! parses and prints.
 
-use crate::device::{dispatch, DeviceArg, DeviceJob};
+use crate::device::{dispatch, hessian_in_flight_bytes, DeviceArg, DeviceJob, GpuPath};
 use burn::tensor::backend::Backend;
 use clap::{Parser, ValueEnum};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -194,6 +194,11 @@ pub struct Args {
     /// instead of the GPU kernels.
     #[arg(long)]
     host_solver: bool,
+    /// With `--device cuda`: run each input's Hessian products before the forward goes on,
+    /// instead of on a stream of their own beside the next steps (which holds up to 640 MiB
+    /// of inputs longer). The checkpoint is the same either way.
+    #[arg(long)]
+    serial_hessians: bool,
     /// With `--device cpu`: run the layers with burn-ndarray's graph ops (the reference)
     /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
     #[arg(long)]
@@ -467,7 +472,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         dispatch(
             args.device,
             "quantize_sala",
-            args.host_solver,
+            gpu_path(&args),
             (!args.graph_ops).then_some(run_numerics),
             job,
         )
@@ -718,6 +723,14 @@ fn load_calibration(
     Ok((calib, stats))
 }
 
+/// The GPU path's choices from the flags.
+fn gpu_path(args: &Args) -> GpuPath {
+    GpuPath {
+        host_solver: args.host_solver,
+        serial_hessians: args.serial_hessians,
+    }
+}
+
 /// The run's device-memory plan ([`MemoryPlan`]): the budget is `--max-device-memory`, else
 /// the GPU's free memory now less 5 % of its total; `None` on the CPU without the option.
 /// Refuses a sample too long for the budget, naming its calibration line.
@@ -737,8 +750,9 @@ fn memory_plan(
         Numerics::Bf16Storage => 2,
         _ => 4,
     };
-    let footprint =
+    let mut footprint =
         LayerFootprint::estimate(config, options.statistics(), elem, options.run.mlp_rows);
+    footprint.fixed += hessian_in_flight_bytes(args.device, gpu_path(args));
     let lengths: Vec<usize> = calib.samples.iter().map(|s| s.ids.len()).collect();
     let device_hidden = args.device == DeviceArg::Cuda;
     MemoryPlan::new(

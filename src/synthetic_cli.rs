@@ -3,7 +3,7 @@
 //! (no checkpoint written); prints seconds per stage, memory and tokens/s per layer, then the
 //! projection of a full run. Kept in the library so that a test runs it on a tiny config.
 
-use crate::device::{dispatch, DeviceArg, DeviceJob};
+use crate::device::{dispatch, DeviceArg, DeviceJob, GpuPath};
 use burn::tensor::backend::Backend;
 use clap::{Parser, ValueEnum};
 use sala_gptq::model::{FastOps, SalaConfig};
@@ -155,7 +155,10 @@ pub fn run(args: Args) -> Result<SyntheticReport, Box<dyn Error>> {
     let report = dispatch(
         args.device,
         "synthetic_sala",
-        args.host_solver,
+        GpuPath {
+            host_solver: args.host_solver,
+            ..GpuPath::default()
+        },
         Some(numerics),
         job,
     )?;

@@ -621,7 +621,17 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 progress.step();
             }
         }
+        // Hessian products the fast ops left running beside the forward end before their
+        // sums are read; the wait is the part of them the forward did not hide.
         sync::<B>(device).map_err(|message| PipelineError::Device { layer, message })?;
+        let t = Instant::now();
+        if let Some(fast) = runner.fast_ops() {
+            fast.settle_grams().map_err(|e| PipelineError::Device {
+                layer,
+                message: e.to_string(),
+            })?;
+        }
+        accumulate += seconds_since(t);
         let t = Instant::now();
         let finalized = stats
             .into_iter()

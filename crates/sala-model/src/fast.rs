@@ -158,6 +158,10 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
     /// `[Σ rows, dim]` (storage dtype), `h` `[dim, dim]` f32: with [`sample_runs`]' weights
     /// `1/T_s`, the per-sample-normalised Hessian sums of calibration. By default the graph's
     /// [`gram_reference`].
+    ///
+    /// An implementation may return before the product is done, running it beside the
+    /// caller's next steps: the returned Hessian is then read only after
+    /// [`FastOps::settle_grams`] (a later `accumulate_gram` into it is fine).
     fn accumulate_gram(
         &self,
         h: Tensor<B, 2>,
@@ -165,6 +169,12 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         runs: &[RowRun],
     ) -> Result<Tensor<B, 2>> {
         Ok(gram_reference(h, x, runs))
+    }
+
+    /// Waits for the products [`FastOps::accumulate_gram`] left running, if any; their
+    /// failures surface here. Nothing to wait for by default.
+    fn settle_grams(&self) -> Result<()> {
+        Ok(())
     }
 
     /// The op-by-op timer of these fast ops, where they have one
@@ -280,7 +290,7 @@ mod cube {
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
-        DriverTransfer, HopperAttention, LinearShape, XtxRun,
+        DriverTransfer, HopperAttention, LinearShape, XtxRun, XtxStream,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -305,12 +315,14 @@ mod cube {
     /// head dimension allows, else the portable CubeCL kernel for bf16, f16 or f32 tensors)
     /// and, with a cuBLAS handle, bf16 linears and Hessians as cuBLAS GEMMs and, for head
     /// dimensions the flash kernel lacks, the attention of long bf16 sequences blocked on
-    /// cuBLAS; with a [`DriverTransfer`], uploads through its page-locked staging.
+    /// cuBLAS; with a [`DriverTransfer`], uploads through its page-locked staging; with an
+    /// [`XtxStream`], the Hessian products on a stream of their own, beside the forward.
     #[derive(Debug, Clone, Default)]
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
         hopper: Option<Arc<HopperAttention>>,
         transfer: Option<Arc<DriverTransfer>>,
+        hessians: Option<Arc<XtxStream>>,
     }
 
     impl CudaFastOps {
@@ -342,6 +354,16 @@ mod cube {
         pub fn with_transfer(self, transfer: Arc<DriverTransfer>) -> Self {
             Self {
                 transfer: Some(transfer),
+                ..self
+            }
+        }
+
+        /// The same, queueing the bf16 Hessian products (with cuBLAS) on `hessians`' stream:
+        /// they run beside the forward's next steps instead of holding them up, and
+        /// [`FastOps::settle_grams`] waits for them. Each Hessian's sum is the same bit for bit.
+        pub fn with_hessian_stream(self, hessians: Arc<XtxStream>) -> Self {
+            Self {
+                hessians: Some(hessians),
                 ..self
             }
         }
@@ -433,9 +455,10 @@ mod cube {
                 Some(_) => "bf16 attention on Hopper's wgmma (HopperAttention)",
                 None => "bf16 attention on the CubeCL flash kernel",
             };
-            let linears = match self.blas {
-                Some(_) => "linears and Hessians on cuBLAS",
-                None => "linears on burn's matmul",
+            let linears = match (&self.blas, &self.hessians) {
+                (Some(_), Some(_)) => "linears and Hessians on cuBLAS, Hessians beside the forward",
+                (Some(_), None) => "linears and Hessians on cuBLAS",
+                (None, _) => "linears on burn's matmul",
             };
             format!("{attention}, {linears}")
         }
@@ -481,18 +504,25 @@ mod cube {
                 )));
             }
             let x = primitive(x.clone());
-            // β = 1 accumulates into h's own buffer: it must not be shared.
             let mut h = primitive(h);
-            if !h.handle.can_mut() {
-                h = h.copy();
-            }
-            let view = MatrixView {
+            let square = |h: &CubeTensor<R>| MatrixView {
                 handle: h.handle.clone(),
                 offset: 0,
                 rows: dim,
                 cols: dim,
                 row_stride: dim,
             };
+            if let Some(hessians) = &self.hessians {
+                // Products still queued into h hold its buffer (and write it).
+                hessians
+                    .wait_for(&h.client, &square(&h))
+                    .map_err(kernel_error("XᵀX"))?;
+            }
+            // β = 1 accumulates into h's own buffer: it must not be shared.
+            if !h.handle.can_mut() {
+                h = h.copy();
+            }
+            let view = square(&h);
             let runs: Vec<XtxRun> = runs
                 .iter()
                 .scan(0, |first_row, run| {
@@ -510,9 +540,20 @@ mod cube {
                 rows: tokens,
                 cols: dim,
             };
-            xtx_runs_bf16(&x.client, blas, &all, &runs, &view).map_err(kernel_error("XᵀX"))?;
+            match &self.hessians {
+                Some(hessians) => hessians.queue(&x.client, &all, &runs, &view),
+                None => xtx_runs_bf16(&x.client, blas, &all, &runs, &view),
+            }
+            .map_err(kernel_error("XᵀX"))?;
             drop(view);
             Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))
+        }
+
+        fn settle_grams(&self) -> Result<()> {
+            match &self.hessians {
+                Some(hessians) => hessians.settle().map_err(kernel_error("XᵀX")),
+                None => Ok(()),
+            }
         }
 
         fn swiglu(

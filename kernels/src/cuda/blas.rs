@@ -84,10 +84,27 @@ impl Cublas {
         what: &'static str,
         f: impl FnOnce(sys::cublasHandle_t) -> Result<(), KernelError>,
     ) -> Result<(), KernelError> {
+        self.queue(client, what, f)?;
+        self.lib.synchronize(what)
+    }
+
+    /// Queues `f` (cuBLAS calls on this handle) on this handle's stream after CubeCL's queued
+    /// work, without waiting for it: the caller keeps what it reads and writes alive and
+    /// untouched until the stream is done ([`XtxStream`](super::XtxStream) does).
+    pub(crate) fn queue(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        what: &'static str,
+        f: impl FnOnce(sys::cublasHandle_t) -> Result<(), KernelError>,
+    ) -> Result<(), KernelError> {
         sync_client(client)?;
         self.lib.bind()?;
-        guarded(what, || f(self.handle))?;
-        self.lib.synchronize(what)
+        guarded(what, || f(self.handle))
+    }
+
+    /// This handle's stream.
+    pub(crate) fn lib(&self) -> &LibStream {
+        &self.lib
     }
 }
 
@@ -396,6 +413,21 @@ pub fn xtx_runs_bf16_blocked(
     h: &MatrixView,
     blocking: XtxBlocking,
 ) -> Result<(), KernelError> {
+    queue_xtx_runs(client, blas, x, runs, h, blocking)?;
+    blas.lib
+        .synchronize("cublasGemmEx + cublasSgeam (bf16 XᵀX)")
+}
+
+/// [`xtx_runs_bf16_blocked`] queued on `blas`'s stream without waiting for it: `x` and `h`
+/// must stay alive and untouched until that stream is done.
+pub(crate) fn queue_xtx_runs(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    x: &Bf16Matrix,
+    runs: &[XtxRun],
+    h: &MatrixView,
+    blocking: XtxBlocking,
+) -> Result<(), KernelError> {
     let (tokens, dim) = check_xtx_operands(x, h)?;
     if let Some(r) = runs.iter().find(|r| r.first_row + r.rows > tokens) {
         return Err(KernelError::shape(
@@ -457,7 +489,7 @@ pub fn xtx_runs_bf16_blocked(
             ));
         }
     }
-    blas.run(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)", |handle| {
+    blas.queue(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)", |handle| {
         for (call, count, strides) in &products {
             match count {
                 1 => call.launch(handle)?,

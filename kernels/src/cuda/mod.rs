@@ -7,6 +7,8 @@
 //!   blocks below the diagonal only;
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
 //!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
+//! - [`XtxStream`]: the same Hessian products queued on a stream of their own, so that they run
+//!   beside the forward pass;
 //! - [`DriverTransfer`]: host ↔ device copies through the driver (CubeCL's pinned staging is
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
@@ -32,6 +34,7 @@ mod hopper_attention;
 mod libs;
 mod solver;
 mod transfer;
+mod xtx_stream;
 
 pub use crate::hessian::{XtxBlocking, XTX_BLOCK};
 pub use attention::{
@@ -49,6 +52,7 @@ pub use solver::{
     InverseTimings,
 };
 pub use transfer::{DriverTransfer, STAGING_BYTES};
+pub use xtx_stream::{XtxStream, XTX_IN_FLIGHT_BYTES};
 
 use std::sync::Arc;
 

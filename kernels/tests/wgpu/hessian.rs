@@ -142,7 +142,8 @@ mod cuda_runs {
     use cubecl::prelude::ComputeClient;
     use half::bf16;
     use sala_kernels::cuda::{
-        xtx_runs_bf16_blocked, Bf16Matrix, Cublas, XtxBlocking, XtxRun, XTX_BLOCK,
+        xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas, XtxBlocking, XtxRun, XtxStream,
+        XTX_BLOCK,
     };
     use sala_kernels::{DeviceVec, MatrixView};
 
@@ -255,5 +256,81 @@ mod cuda_runs {
         }
         // Entries are O(1)–O(10); f32 sums of a few hundred products are good to ~1e-5.
         assert!(worst < 1e-4, "{blocking:?}: worst error {worst:e}");
+    }
+
+    /// Products queued on an [`XtxStream`] into two Hessians, each input dropped by the caller
+    /// at once and its memory offered to new buffers, give the synchronous products' sums bit
+    /// for bit; the stream holds no more inputs than its limit allows (none, where an input
+    /// alone exceeds it), and `wait_for` leaves nothing in flight for its Hessian.
+    #[test]
+    fn queued_products_equal_the_synchronous_ones_bit_for_bit() {
+        let Some(client) = client() else {
+            return;
+        };
+        let blas = Cublas::new(0).unwrap();
+        let (dim, tokens) = (XTX_BLOCK + 64, 257);
+        let input_bytes = (tokens * dim * 2) as u64;
+        let mut rng = Rng::new(5);
+        let inputs: Vec<Vec<u16>> = (0..6)
+            .map(|_| {
+                (0..tokens * dim)
+                    .map(|_| bf16::from_f32(rng.normal()).to_bits())
+                    .collect()
+            })
+            .collect();
+        let runs = [
+            XtxRun {
+                first_row: 0,
+                rows: 57,
+                weight: 1.0 / 57.0,
+            },
+            XtxRun {
+                first_row: 57,
+                rows: 200,
+                weight: 0.005,
+            },
+        ];
+        let square = |client: &ComputeClient<CudaRuntime>| {
+            let h = DeviceVec::<f32>::zeros(client, dim * dim).unwrap();
+            MatrixView {
+                handle: h.handle,
+                offset: 0,
+                rows: dim,
+                cols: dim,
+                row_stride: dim,
+            }
+        };
+        let want = [square(&client), square(&client)];
+        for (i, bits) in inputs.iter().enumerate() {
+            let x = Bf16Matrix::upload(&client, bits, tokens, dim).unwrap();
+            xtx_runs_bf16(&client, &blas, &x, &runs, &want[i % 2]).unwrap();
+        }
+        for (limit, most) in [(2 * input_bytes, 2), (input_bytes / 2, 0)] {
+            let stream = XtxStream::new(0, limit).unwrap();
+            let got = [square(&client), square(&client)];
+            for (i, bits) in inputs.iter().enumerate() {
+                let x = Bf16Matrix::upload(&client, bits, tokens, dim).unwrap();
+                stream.queue(&client, &x, &runs, &got[i % 2]).unwrap();
+                drop(x);
+                // New buffers of the input's size, written at once: where the stream did not
+                // hold the input, they would take its memory while its products read it.
+                let noise: Vec<u16> = (0..tokens * dim).map(|e| (e % 977) as u16).collect();
+                let _other = Bf16Matrix::upload(&client, &noise, tokens, dim).unwrap();
+                assert!(
+                    stream.in_flight() <= most,
+                    "limit {limit}: {}",
+                    stream.in_flight()
+                );
+            }
+            stream.wait_for(&client, &got[1]).unwrap();
+            assert_eq!(stream.in_flight(), 0, "the last product wrote got[1]");
+            stream.settle().unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                let (g, w): (Vec<f32>, Vec<f32>) =
+                    (g.download(&client).unwrap(), w.download(&client).unwrap());
+                let same = g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "limit {limit}: queued sums differ");
+            }
+        }
     }
 }

@@ -520,3 +520,75 @@ fn prefetched_weights_write_the_same_checkpoint() {
     // Read in turn, every layer waits for its own reading.
     assert!(in_turn.layers.iter().all(|l| l.stages.load > 0.0));
 }
+
+/// Fast ops whose Hessian products count as running until `settle_grams` (as CUDA's run on a
+/// stream of their own); every other op but attention is the graph's.
+#[derive(Debug, Default)]
+struct DeferredGrams {
+    queued: std::sync::atomic::AtomicUsize,
+    /// Products each `settle_grams` found queued.
+    settled: std::sync::Mutex<Vec<usize>>,
+}
+
+impl sala_gptq::model::FastOps<CpuBackend> for DeferredGrams {
+    fn causal_attention(
+        &self,
+        q: Tensor<CpuBackend, 3>,
+        k: Tensor<CpuBackend, 3>,
+        v: Tensor<CpuBackend, 3>,
+        lengths: &[usize],
+        scale: f32,
+    ) -> sala_gptq::model::Result<Tensor<CpuBackend, 3>> {
+        let numerics = QuantizeOptions::new(Recipe::Gptq).run.numerics;
+        sala_gptq::model::CpuFastOps::new(numerics).causal_attention(q, k, v, lengths, scale)
+    }
+
+    fn accumulate_gram(
+        &self,
+        h: Tensor<CpuBackend, 2>,
+        x: &Tensor<CpuBackend, 2>,
+        runs: &[sala_gptq::model::RowRun],
+    ) -> sala_gptq::model::Result<Tensor<CpuBackend, 2>> {
+        self.queued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(sala_gptq::model::gram_reference(h, x, runs))
+    }
+
+    fn settle_grams(&self) -> sala_gptq::model::Result<()> {
+        let queued = self.queued.swap(0, std::sync::atomic::Ordering::Relaxed);
+        self.settled.lock().unwrap().push(queued);
+        Ok(())
+    }
+}
+
+/// With device statistics, the engine waits for the Hessian products the fast ops left
+/// running once per capture pass, after all of the pass's products and before the next
+/// layer's: none is left unsettled, and every layer's capture settles its own.
+#[test]
+fn device_hessians_are_settled_after_every_capture() {
+    use std::sync::Arc;
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = QuantizeOptions::new(Recipe::Gptq);
+    options.device_statistics = true;
+    let fast = Arc::new(DeferredGrams::default());
+    let report = Pipeline::<CpuBackend>::new(Default::default(), options)
+        .with_fast_ops(fast.clone())
+        .run(
+            &model,
+            &dir.path().join("out"),
+            &samples(&model),
+            &mut NoProgress,
+        )
+        .unwrap();
+    assert!(report.verify_summary.starts_with("verified ok"));
+    let settled = fast.settled.lock().unwrap().clone();
+    assert_eq!(settled.len(), report.layers.len(), "{settled:?}");
+    // Four input groups per layer, each read once per pack.
+    assert!(settled.iter().all(|&n| n >= 4), "{settled:?}");
+    assert_eq!(
+        fast.queued.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "products left unsettled"
+    );
+}
