@@ -124,6 +124,22 @@ fn op_profile<B: Backend>(runner: &LayerRunner<B>) -> Option<&sala_model::OpProf
     profile.enabled().then_some(profile)
 }
 
+/// Waits for the Hessian products `runner`'s fast ops left running beside the forward
+/// ([`FastOps::settle_grams`](sala_model::FastOps::settle_grams)); a failure of theirs is layer
+/// `layer`'s device error.
+pub(crate) fn settle_grams<B: Backend>(
+    runner: &LayerRunner<B>,
+    layer: usize,
+) -> Result<(), PipelineError> {
+    match runner.fast_ops() {
+        Some(fast) => fast.settle_grams().map_err(|e| PipelineError::Device {
+            layer,
+            message: e.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn seconds_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
@@ -625,12 +641,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         // sums are read; the wait is the part of them the forward did not hide.
         sync::<B>(device).map_err(|message| PipelineError::Device { layer, message })?;
         let t = Instant::now();
-        if let Some(fast) = runner.fast_ops() {
-            fast.settle_grams().map_err(|e| PipelineError::Device {
-                layer,
-                message: e.to_string(),
-            })?;
-        }
+        settle_grams(runner, layer)?;
         accumulate += seconds_since(t);
         let t = Instant::now();
         let finalized = stats

@@ -377,12 +377,7 @@ impl<B: Backend> CasePass<'_, B> {
         )?;
         self.sync()?;
         // Products left running beside the forward count until they are done.
-        if let Some(fast) = runner.fast_ops() {
-            fast.settle_grams().map_err(|e| PipelineError::Device {
-                layer,
-                message: e.to_string(),
-            })?;
-        }
+        crate::engine::settle_grams(runner, layer)?;
         if let Some(message) = failure {
             return Err(PipelineError::Device { layer, message });
         }
