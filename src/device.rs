@@ -448,7 +448,10 @@ mod tests {
             serial_hessians: true,
             ..GpuPath::default()
         };
-        assert_eq!(hessian_in_flight_bytes(DeviceArg::Cpu, GpuPath::default()), 0);
+        assert_eq!(
+            hessian_in_flight_bytes(DeviceArg::Cpu, GpuPath::default()),
+            0
+        );
         assert_eq!(hessian_in_flight_bytes(DeviceArg::Cuda, serial), 0);
         let beside = hessian_in_flight_bytes(DeviceArg::Cuda, GpuPath::default());
         assert_eq!(beside > 0, CUDA_BUILT, "{beside}");
