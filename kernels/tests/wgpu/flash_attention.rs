@@ -151,6 +151,8 @@ fn scores_growing_along_the_sequence_rescale_the_output_exactly_enough() {
         &|shape, offsets, x| run(&client, shape, offsets, x, 4).unwrap(),
         54,
         400,
+        1.0 / 25.0,
+        100.0,
     );
 }
 
@@ -175,10 +177,17 @@ fn a_packed_run_equals_each_sequence_alone_bit_for_bit() {
 pub(crate) type Kernel<'a> =
     &'a dyn Fn(&sala_kernels::AttentionShape, &[usize], &Inputs) -> Vec<f32>;
 
-/// Keys growing with their position (each row's maximum keeps rising tile after tile, so the
-/// lazy rescaling of the accumulators runs many times) over one sequence of `tokens`, against
-/// the f64 reference, at the model's shape.
-pub(crate) fn check_growing_scores(kernel: Kernel<'_>, seed: u64, tokens: usize) {
+/// Keys growing with their position, key `j` scaled by `1 + j·growth` (each row's maximum
+/// keeps rising tile after tile, so the rescaling of the accumulators runs many times) over
+/// one sequence of `tokens`, against the f64 reference, at the model's shape. The largest
+/// score must pass `min_max_score` (natural units), or the inputs did not grow as meant.
+pub(crate) fn check_growing_scores(
+    kernel: Kernel<'_>,
+    seed: u64,
+    tokens: usize,
+    growth: f32,
+    min_max_score: f64,
+) {
     let mut rng = Rng::new(seed);
     let shape = shape(32, 2, 128);
     let mut x = Inputs::random(&mut rng, &shape, tokens);
@@ -187,14 +196,14 @@ pub(crate) fn check_growing_scores(kernel: Kernel<'_>, seed: u64, tokens: usize)
     }
     let row = shape.kv_heads * shape.head_dim;
     for (j, key) in x.k.chunks_mut(row).enumerate() {
-        let grow = 1.0 + j as f32 / 25.0;
+        let grow = 1.0 + j as f32 * growth;
         key.iter_mut().for_each(|v| *v = v.abs() * grow);
     }
     let x = bf16_inputs(x);
     let offsets = offsets_of(&[tokens]);
     let got = kernel(&shape, &offsets, &x);
     let (want, max_score) = reference(&shape, &offsets, &x);
-    assert!(max_score > 100.0, "{max_score}");
+    assert!(max_score > min_max_score, "{max_score}");
     let err = rel_error(&got, &want);
     assert!(err < TOLERANCE, "error {err:e}");
 }
