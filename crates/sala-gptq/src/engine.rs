@@ -241,7 +241,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 Some(table) => self.runner.embed_on_device(table, &sample.ids)?,
                 None => source.embed(self.runner, &sample.ids)?,
             };
-            hidden.store(i, rows);
+            hidden.store(i, rows, self.runner.fast_ops())?;
         }
         let table_used = table.is_some();
         drop(table);
@@ -591,7 +591,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let mut accumulate = 0.0;
         for pack in self.packs() {
             let lengths = self.lengths(&pack);
-            let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
+            let input = concat_rows(
+                pack.iter()
+                    .map(|&i| hidden.load(i, runner.fast_ops()))
+                    .collect::<Result<_, _>>()?,
+            );
             // The first failure in the taps: the sample (index in the pack) it names, if any.
             let mut tap_error: Option<(Option<usize>, String)> = None;
             // Read at the taps, while the pack's intermediates are alive (after the pack they
@@ -1357,7 +1361,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let width = self.config().hidden_size();
         for pack in self.packs() {
             let lengths = self.lengths(&pack);
-            let input = concat_rows(pack.iter().map(|&i| hidden.load(i)).collect());
+            let input = concat_rows(
+                pack.iter()
+                    .map(|&i| hidden.load(i, runner.fast_ops()))
+                    .collect::<Result<_, _>>()?,
+            );
             // Read at the taps, while the pack's intermediates are alive.
             let (probe, device, mut tap_peak) = (self.memory, runner.device(), None);
             let result = runner.run_pack_from(&device_weights, input, &lengths, |_, _, _| {
@@ -1368,7 +1376,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 Ok(y) => {
                     let mut start = 0;
                     for (&i, &len) in pack.iter().zip(&lengths) {
-                        hidden.store(i, y.clone().slice([start..start + len, 0..width]));
+                        let rows = y.clone().slice([start..start + len, 0..width]);
+                        hidden.store(i, rows, runner.fast_ops())?;
                         start += len;
                     }
                 }

@@ -9,6 +9,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use half::bf16;
 use memmap2::MmapMut;
 use rayon::prelude::*;
+use sala_model::FastOps;
 use serde::Serialize;
 use std::fmt;
 use std::path::Path;
@@ -187,8 +188,19 @@ impl<B: Backend> HiddenStates<B> {
     /// Stores sample `i`, a `[tokens_i, hidden]` tensor: kept as it is (cast to the storage
     /// dtype) on the device, else downloaded and rounded to bf16. A bf16 tensor's bytes are
     /// copied as they are (no f32 round trip: at 131,072 tokens that was a 2 GB f32 buffer and
-    /// a serial conversion per sample and layer).
-    pub fn store(&mut self, i: usize, tensor: Tensor<B, 2>) {
+    /// a serial conversion per sample and layer), straight into the host storage through
+    /// `fast`'s [`FastOps::download_bf16`] where it answers.
+    pub fn store(
+        &mut self,
+        i: usize,
+        tensor: Tensor<B, 2>,
+        fast: Option<&dyn FastOps<B>>,
+    ) -> Result<(), PipelineError> {
+        if let (Some(fast), Some(dst)) = (fast, self.host_bf16_mut(i)) {
+            if fast.download_bf16(&tensor, dst)? {
+                return Ok(());
+            }
+        }
         match &mut self.storage {
             Storage::Device(v) => v[i] = Some(tensor.cast(self.dtype)),
             _ => {
@@ -201,6 +213,36 @@ impl<B: Backend> HiddenStates<B> {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Sample `i`'s bf16 values in host storage as bytes in native order, where they are kept
+    /// so (`None` on the device, and for a file on a big-endian host: the file is
+    /// little-endian).
+    fn host_bytes(&self, i: usize) -> Option<&[u8]> {
+        let range = self.offsets[i]..self.offsets[i + 1];
+        match &self.storage {
+            Storage::Device(_) => None,
+            Storage::Memory(v) => Some(bytemuck::cast_slice(&v[range])),
+            Storage::Disk(map) if cfg!(target_endian = "little") => {
+                Some(&map[range.start * 2..range.end * 2])
+            }
+            Storage::Disk(_) => None,
+        }
+    }
+
+    /// Sample `i`'s bf16 values in host storage, writable (`None` on the device, and for a
+    /// file on a big-endian host or a map not aligned to 2 bytes).
+    fn host_bf16_mut(&mut self, i: usize) -> Option<&mut [bf16]> {
+        let range = self.offsets[i]..self.offsets[i + 1];
+        match &mut self.storage {
+            Storage::Device(_) => None,
+            Storage::Memory(v) => Some(&mut v[range]),
+            Storage::Disk(map) if cfg!(target_endian = "little") => {
+                bytemuck::try_cast_slice_mut(&mut map[range.start * 2..range.end * 2]).ok()
+            }
+            Storage::Disk(_) => None,
         }
     }
 
@@ -250,8 +292,28 @@ impl<B: Backend> HiddenStates<B> {
         }
     }
 
-    /// Sample `i` as a `[tokens_i, hidden]` tensor of the storage dtype on the device.
-    pub fn load(&self, i: usize) -> Tensor<B, 2> {
+    /// Sample `i` as a `[tokens_i, hidden]` tensor of the storage dtype on the device. bf16
+    /// values in host storage go up as they are, through `fast`'s [`FastOps::upload_host`]
+    /// where it answers (straight from the storage: no host copy), else through the backend's
+    /// own upload.
+    pub fn load(
+        &self,
+        i: usize,
+        fast: Option<&dyn FastOps<B>>,
+    ) -> Result<Tensor<B, 2>, PipelineError> {
+        let shape = [self.tokens(i), self.hidden];
+        if let (Some(fast), DType::BF16) = (fast, self.dtype) {
+            if let Some(bytes) = self.host_bytes(i) {
+                if let Some(flat) = fast.upload_host(bytes, DType::BF16, &self.device)? {
+                    return Ok(flat.reshape(shape));
+                }
+            }
+        }
+        Ok(self.load_plain(i))
+    }
+
+    /// [`load`](Self::load) through the backend's own upload.
+    fn load_plain(&self, i: usize) -> Tensor<B, 2> {
         let shape = [self.tokens(i), self.hidden];
         match &self.storage {
             Storage::Device(v) => v[i]
@@ -293,7 +355,7 @@ impl<B: Backend> HiddenStates<B> {
         match self.host_bf16(i) {
             Some(values) => values.par_iter().map(|x| x.to_f32()).collect(),
             None => self
-                .load(i)
+                .load_plain(i)
                 .into_data()
                 .convert::<f32>()
                 .into_vec::<f32>()
@@ -403,6 +465,7 @@ impl<B: Backend> HiddenStates<B> {
 mod tests {
     use super::*;
     use crate::CpuBackend;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
     fn states(lengths: &[usize], budget: HiddenBudget, dir: &Path) -> HiddenStates<CpuBackend> {
         HiddenStates::new(lengths, 4, &Default::default(), DType::F32, budget, dir).unwrap()
@@ -549,9 +612,141 @@ mod tests {
         let values: Vec<f32> = (0..12).map(|k| k as f32 / 3.0).collect();
         device.set(0, &values);
         assert_eq!(device.get(0), values);
-        let doubled = device.load(0).mul_scalar(2.0);
-        device.store(1, doubled.slice([0..2, 0..4]));
+        let doubled = device.load(0, None).unwrap().mul_scalar(2.0);
+        device.store(1, doubled.slice([0..2, 0..4]), None).unwrap();
         let expected: Vec<f32> = values[..8].iter().map(|v| v * 2.0).collect();
         assert_eq!(device.get(1), expected);
+    }
+
+    /// Fast ops that answer the hidden states' transfers on the host, as `CudaFastOps` does
+    /// through the driver: an upload decodes the bf16 bytes (an f32 tensor stands for the
+    /// device's bf16 one: burn-ndarray has no bf16), a download rounds to bf16. They count the
+    /// bytes handed over, and refuse every transfer when `fail`.
+    #[derive(Debug, Default)]
+    struct HostTransfers {
+        up: AtomicUsize,
+        down: AtomicUsize,
+        fail: bool,
+    }
+
+    impl FastOps<CpuBackend> for HostTransfers {
+        fn causal_attention(
+            &self,
+            _: Tensor<CpuBackend, 3>,
+            _: Tensor<CpuBackend, 3>,
+            _: Tensor<CpuBackend, 3>,
+            _: &[usize],
+            _: f32,
+        ) -> sala_model::Result<Tensor<CpuBackend, 3>> {
+            Err(sala_model::ModelError::InvalidInput("not a forward".into()))
+        }
+
+        fn upload_host(
+            &self,
+            bytes: &[u8],
+            dtype: DType,
+            device: &burn_ndarray::NdArrayDevice,
+        ) -> sala_model::Result<Option<Tensor<CpuBackend, 1>>> {
+            self.up.fetch_add(bytes.len(), Relaxed);
+            if self.fail {
+                return Err(sala_model::ModelError::InvalidInput(
+                    "upload refused".into(),
+                ));
+            }
+            assert_eq!(dtype, DType::BF16);
+            let values: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_ne_bytes([b[0], b[1]]).to_f32())
+                .collect();
+            let n = values.len();
+            Ok(Some(Tensor::from_data(
+                TensorData::new(values, [n]),
+                device,
+            )))
+        }
+
+        fn download_bf16(
+            &self,
+            x: &Tensor<CpuBackend, 2>,
+            dst: &mut [bf16],
+        ) -> sala_model::Result<bool> {
+            self.down.fetch_add(2 * dst.len(), Relaxed);
+            if self.fail {
+                return Err(sala_model::ModelError::InvalidInput(
+                    "download refused".into(),
+                ));
+            }
+            let values = x.to_data().convert::<f32>().into_vec::<f32>().unwrap();
+            assert_eq!(values.len(), dst.len());
+            for (d, v) in dst.iter_mut().zip(values) {
+                *d = bf16::from_f32(v);
+            }
+            Ok(true)
+        }
+    }
+
+    /// With fast ops that answer them, host-kept states go down and up through the fast ops,
+    /// every byte of a sample once and straight from and into the storage (in memory and in a
+    /// file, samples larger than one copy task), and hold the same bf16 values as the backend's
+    /// own path; a refused transfer is an error, not a panic.
+    #[test]
+    fn host_states_travel_through_the_fast_ops_when_they_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let (width, lengths) = (8, [COPY_CHUNK / 8 + 3, 5]);
+        let device = Default::default();
+        for host in [None, Some(8)] {
+            let budget = HiddenBudget { device: None, host };
+            let new = |dtype| {
+                HiddenStates::<CpuBackend>::new(&lengths, width, &device, dtype, budget, dir.path())
+                    .unwrap()
+            };
+            let (mut fast_states, mut plain) = (new(DType::BF16), new(DType::F32));
+            let ops = HostTransfers::default();
+            for (i, &n) in lengths.iter().enumerate() {
+                let values: Vec<f32> = (0..n * width)
+                    .map(|k| ((k * 13 + i) % 997) as f32 / 7.0 - 70.0)
+                    .collect();
+                let tensor = || {
+                    Tensor::<CpuBackend, 2>::from_data(
+                        TensorData::new(values.clone(), [n, width]),
+                        &device,
+                    )
+                };
+                let before = ops.down.load(Relaxed);
+                fast_states.store(i, tensor(), Some(&ops)).unwrap();
+                assert_eq!(ops.down.load(Relaxed) - before, 2 * n * width);
+                plain.store(i, tensor(), None).unwrap();
+                assert!(
+                    fast_states.host_bf16(i) == plain.host_bf16(i),
+                    "{host:?} {i}"
+                );
+
+                let before = ops.up.load(Relaxed);
+                let loaded = fast_states.load(i, Some(&ops)).unwrap();
+                assert_eq!(ops.up.load(Relaxed) - before, 2 * n * width);
+                assert_eq!(loaded.dims(), [n, width]);
+                let loaded = loaded
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .unwrap();
+                assert_eq!(loaded, plain.get(i), "{host:?} {i}");
+            }
+            let refusing = HostTransfers {
+                fail: true,
+                ..Default::default()
+            };
+            let err = fast_states
+                .load(0, Some(&refusing))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("upload refused"), "{err}");
+            let tensor = Tensor::<CpuBackend, 2>::zeros([5, width], &device);
+            let err = fast_states
+                .store(1, tensor, Some(&refusing))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("download refused"), "{err}");
+        }
     }
 }

@@ -143,7 +143,8 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
 
     /// The flat tensor `[bytes.len() / dtype.size()]` of `dtype` on `device` whose values are
     /// `bytes` (native byte order); `Ok(None)` where the backend's own upload (`from_data`) is
-    /// the fast way. How a layer's weights reach the device, twice per layer.
+    /// the fast way. How a layer's weights reach the device, twice per layer, and hidden
+    /// states kept in host memory before each pass.
     fn upload_host(
         &self,
         bytes: &[u8],
@@ -152,6 +153,15 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<Tensor<B, 1>>> {
         let _ = (bytes, dtype, device);
         Ok(None)
+    }
+
+    /// Copies the values of `x` `[rows, cols]` into `dst` (`rows · cols` values, row-major) as
+    /// bf16; `Ok(false)` where the backend's own download (`into_data`) is the fast way
+    /// (`dst` untouched; an implementation may answer only for bf16 tensors, whose bytes it
+    /// copies as they are). How hidden states kept in host memory come back after each pass.
+    fn download_bf16(&self, x: &Tensor<B, 2>, dst: &mut [half::bf16]) -> Result<bool> {
+        let _ = (x, dst);
+        Ok(false)
     }
 
     /// `h + Σ_r w_r X_rᵀX_r` over the runs of rows `runs` lying back to back in `x`
@@ -484,6 +494,31 @@ mod cube {
             let out =
                 CubeTensor::new_contiguous(client, device.clone(), [len].into(), handle, dtype);
             Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
+        fn download_bf16(
+            &self,
+            x: &CudaTensor<F, I, BT, 2>,
+            dst: &mut [half::bf16],
+        ) -> Result<bool> {
+            let Some(transfer) = &self.transfer else {
+                return Ok(false);
+            };
+            if x.dtype() != DType::BF16 {
+                return Ok(false);
+            }
+            if dst.len() != x.shape().num_elements() {
+                return Err(ModelError::InvalidInput(format!(
+                    "a download of {:?} bf16 into {} values",
+                    x.dims(),
+                    dst.len()
+                )));
+            }
+            let x = primitive(x.clone());
+            transfer
+                .download_into(&x.client, &x.handle, dst)
+                .map_err(kernel_error("download"))?;
+            Ok(true)
         }
 
         fn accumulate_gram(

@@ -38,3 +38,26 @@ fn staged_copies_round_trip_across_chunk_boundaries() {
         );
     }
 }
+
+/// A download of bf16 values from a handle that starts inside its buffer (how a row slice of a
+/// tensor arrives: hidden states coming back after a pass) copies from that offset, across
+/// chunk boundaries.
+#[test]
+fn downloads_start_at_the_handle_offset() {
+    let Some(client) = client() else {
+        return;
+    };
+    let transfer = DriverTransfer::new(0).unwrap();
+    let values = STAGING_BYTES / 2 + 1000;
+    let mut rng = Rng::new(72);
+    let data: Vec<half::bf16> = (0..values)
+        .map(|_| half::bf16::from_f32(rng.normal()))
+        .collect();
+    let handle = client.create_from_slice(bytemuck::cast_slice(&data));
+    for skip in [0, 1, 4096, values - 3] {
+        let view = handle.clone().offset_start(2 * skip as u64);
+        let mut out = vec![half::bf16::ZERO; values - skip];
+        transfer.download_into(&client, &view, &mut out).unwrap();
+        assert!(out == data[skip..], "skip {skip}");
+    }
+}
