@@ -243,8 +243,20 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Option<Tensor<B, 1>>> {
-        // Uploads synchronise by themselves; timed only as part of the caller's stage.
-        self.inner.upload_host(bytes, dtype, device)
+        // The copy alone (the caller's conversion before it is not in the total): what a
+        // layer's weights and host-kept hidden states cost on the bus per pass.
+        self.timed("upload_host", device, Option::is_some, || {
+            self.inner.upload_host(bytes, dtype, device)
+        })
+    }
+
+    fn download_bf16(&self, x: &Tensor<B, 2>, dst: &mut [half::bf16]) -> Result<bool> {
+        self.timed(
+            "download_bf16",
+            &x.device(),
+            |answered| *answered,
+            || self.inner.download_bf16(x, dst),
+        )
     }
 
     fn accumulate_gram(

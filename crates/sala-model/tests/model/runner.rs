@@ -660,4 +660,21 @@ fn uploads_go_through_the_fast_ops_and_change_nothing() {
     let weights = LayerWeights::load(&store, &config, 0).unwrap();
     let err = failing.upload(&weights).unwrap_err().to_string();
     assert!(err.contains("the upload failed"), "{err}");
+
+    // Profiled, each answered upload is an op of its own (one per tensor of the layer);
+    // declined ones are not counted.
+    for (ops, counted) in [(answering, weights.tensors.len() as u64), (declining, 0)] {
+        let inner: Arc<dyn FastOps<B>> = ops;
+        let profiled: Arc<dyn FastOps<B>> = Arc::new(ProfiledOps::new(inner).switched_on());
+        let timed =
+            LayerRunner::<B>::new(config.clone(), Default::default(), RunOptions::default())
+                .with_fast_ops(profiled);
+        timed.upload(&weights).unwrap();
+        let totals = timed.fast_ops().and_then(|f| f.profile()).unwrap().take();
+        let calls = totals
+            .iter()
+            .find(|t| t.op == "upload_host")
+            .map_or(0, |t| t.calls);
+        assert_eq!(calls, counted, "{totals:?}");
+    }
 }
