@@ -32,11 +32,15 @@
 //     S(t) is done, its online softmax runs while P(t-1)·V(t-1) may still be on the tensor
 //     cores: base 2, the scale folded into one FMA, keys past a row's token masked, a row's
 //     four lanes combining maxima by shuffles (sums once at the end). Once that product is
-//     done too, O is rescaled to the new maxima and P(t) rounded into the registers the next
-//     turn's product reads: the accumulator layout of S lines up with the register operand
-//     layout of P·V, so P never leaves registers. The two consumers also take turns on the
-//     tensor cores through two named barriers (ids 1 and 2: `bar.sync` on one's own,
-//     `bar.arrive` on the other's), so one's softmax runs while the other's products do.
+//     done too, P(t) is rounded into the registers the next turn's product reads: the
+//     accumulator layout of S lines up with the register operand layout of P·V, so P never
+//     leaves registers. O is brought to P(t)'s maxima in turn t + 1, between the issue of
+//     S(t + 1) and that of P(t)·V(t), while S(t + 1) runs (FlashAttention-3's order), and only
+//     when a row of the warp moved its maximum: a row keeps it until a tile's exceeds it by
+//     more than 2^RESCALE_THRESHOLD (FlashAttention-4's lazy rescaling). The two consumers
+//     also take turns on the tensor cores through two named barriers (ids 1 and 2:
+//     `bar.sync` on one's own, `bar.arrive` on the other's), so one's softmax runs while the
+//     other's products do.
 //     No block-wide barrier after the start.
 //   - ptxas serializes the products if anything but them writes a register they use before
 //     the last of them is done: S is a fresh array each turn, the softmax works on it only
@@ -64,6 +68,11 @@ typedef unsigned long long u64;
 #define BARRIER_BYTES 128
 #define SMEM_BYTES ((1 + 2 * STAGES) * TILE_BYTES + BARRIER_BYTES + 1024)
 #define NEG_INF __int_as_float(0xff800000)
+// How far (base 2, scaled) a tile's maximum may exceed a row's kept one before the row's
+// maximum moves and its output is rescaled (see `softmax_tile`).
+#ifndef RESCALE_THRESHOLD
+#define RESCALE_THRESHOLD 8.0f
+#endif
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
@@ -216,9 +225,16 @@ __device__ __forceinline__ void stage(const bf16_t* __restrict__ x, u32 dst, u32
 }
 
 /// The online softmax of one tile's scores `s`, in place (base 2, keys past a row's token
-/// masked): the rows' maxima and sums updated, and `alpha0`, `alpha1` the factors that bring
-/// the output accumulators to the new maxima ([`rescale`]).
-__device__ __forceinline__ void softmax_tile(float (&s)[64], float& alpha0, float& alpha1,
+/// masked): the rows' maxima and sums updated, `alpha0`, `alpha1` the factors that bring the
+/// output accumulators to the new maxima ([`rescale`]), and whether any row of the warp moved
+/// its maximum (when none did, both factors are exactly 1 for every lane of the warp).
+///
+/// A row keeps its maximum unless the tile's exceeds it by more than `RESCALE_THRESHOLD`
+/// (base 2, after scaling): the tile's probabilities are then relative to the kept maximum,
+/// at most 2^RESCALE_THRESHOLD, which the f32 sums and the bf16 P hold exactly as well
+/// (FlashAttention-4's lazy rescaling). The result is the same function, and most turns of a
+/// long row need no rescaling at all.
+__device__ __forceinline__ bool softmax_tile(float (&s)[64], float& alpha0, float& alpha1,
                                              float& max0, float& max1, float& sum0, float& sum1,
                                              u32 tile, u32 first_token, u32 token0, u32 token1,
                                              u32 column, float scale_log2) {
@@ -233,7 +249,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float& alpha0, floa
       }
     }
   }
-  float new0 = max0, new1 = max1;
+  float new0 = NEG_INF, new1 = NEG_INF;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     new0 = fmaxf(new0, fmaxf(s[4 * i], s[4 * i + 1]));
@@ -243,7 +259,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float& alpha0, floa
   new0 = fmaxf(new0, __shfl_xor_sync(0xffffffffu, new0, 2));
   new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 1));
   new1 = fmaxf(new1, __shfl_xor_sync(0xffffffffu, new1, 2));
-  // Every visited tile holds at least one key <= each row's token: the maxima are finite.
+  // Every visited tile holds at least one key <= each row's token: the maxima are finite. The
+  // first tile always moves them (from -inf).
+  const bool move0 = (new0 - max0) * scale_log2 > RESCALE_THRESHOLD;
+  const bool move1 = (new1 - max1) * scale_log2 > RESCALE_THRESHOLD;
+  new0 = move0 ? new0 : max0;
+  new1 = move1 ? new1 : max1;
   alpha0 = exp2f((max0 - new0) * scale_log2);
   alpha1 = exp2f((max1 - new1) * scale_log2);
   max0 = new0;
@@ -261,6 +282,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float& alpha0, floa
   }
   sum0 = sum0 * alpha0 + part0;
   sum1 = sum1 * alpha1 + part1;
+  return __any_sync(0xffffffffu, move0 || move1);
 }
 
 /// P's register operands from the softmax's `s`: for keys 16j.., the accumulators of column
@@ -400,6 +422,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
 
+  // Whether O must be brought to the maxima of the last softmax before its P·V is added:
+  // done while the next scores are on the tensor cores (FlashAttention-3's order), and
+  // skipped when no row of the warp moved its maximum.
+  bool pending_rescale = false;
+
   // Turn 0: S(0) only.
   {
   float s[64];
@@ -413,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   wgmma_wait_all();
   fence_operands(s);
   mbar_arrive(empty_k);
+  // O is still zero: nothing to rescale.
   softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, 0, first_token, token0, token1,
                column, scale_log2);
   pack_p(s, p);
@@ -428,6 +456,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     wgmma_fence();
     scores(s, q_rows, sk0 + (turn % STAGES) * TILE_BYTES);
     wgmma_commit();
+    // O (which S(t) does not touch) to P(t-1)'s maxima, while S(t) runs.
+    if (pending_rescale) rescale(o, alpha0, alpha1);
     wgmma_fence();
     values(o, p, sv0 + ((turn - 1) % STAGES) * TILE_BYTES);
     wgmma_commit();
@@ -436,18 +466,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait<1>();
     fence_operands(s);
     mbar_arrive(empty_k + 8 * (turn % STAGES));
-    softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, turn, first_token, token0, token1,
-                 column, scale_log2);
+    pending_rescale = softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, turn,
+                                   first_token, token0, token1, column, scale_log2);
     wgmma_wait<0>();
     fence_operands(o);
     mbar_arrive(empty_v + 8 * ((turn - 1) % STAGES));
-    rescale(o, alpha0, alpha1);
     pack_p(s, p);
   }
   // Last turn: O += P·V of the last tile. Warpgroup 1's pass would have no taker.
   mbar_wait(full_v + 8 * ((tiles - 1) % STAGES), ((tiles - 1) / STAGES) & 1);
   fence_proxy_async();
   turn_wait(mine);
+  if (pending_rescale) rescale(o, alpha0, alpha1);
   wgmma_fence();
   values(o, p, sv0 + ((tiles - 1) % STAGES) * TILE_BYTES);
   wgmma_commit();

@@ -10,7 +10,9 @@
 //! and P stay in registers. FlashAttention-3's schedule: a producer warpgroup stages the K/V
 //! tiles (`cp.async`, three deep, `mbarrier`s) while two consumer warpgroups take turns on the
 //! tensor cores, one's softmax running while the other's products do (and while its own
-//! P·V product does).
+//! P·V product does). The output accumulators are rescaled lazily (FlashAttention-4): a row
+//! keeps its running maximum until a tile's exceeds it by more than a factor 2⁸, so most turns
+//! of a long row skip the rescaling.
 //!
 //! The kernel runs on a stream of its own: [`HopperAttention::run`] waits for CubeCL's queued
 //! work first and for its stream after, like the cuBLAS wrappers.
