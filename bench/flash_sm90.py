@@ -2,8 +2,8 @@
 on the GPU machine, outside the Rust build: NVRTC (ctypes) compiles it for sm_90a, CuPy launches
 it on PyTorch tensors, PyTorch in f32 is the reference and PyTorch's bf16 SDPA the peer.
 
-    python3 bench/flash_sm90.py [--source FILE.cu] [--smem BYTES] [--threads N] [--no-checks]
-                                [--speed 1024x16 16384x1 ...] [OUT.json]
+    python3 bench/flash_sm90.py [OUT.json] [--source FILE.cu] [--smem BYTES] [--threads N]
+                                [--no-checks] [--speed 1024x16 16384x1 ...]
 
 Prints a table; with OUT.json writes every figure there. `--source` checks another version of
 the kernel (same entry point and arguments), `--smem` its dynamic shared memory and `--threads`
@@ -195,4 +195,11 @@ if __name__ == "__main__":
     parser.add_argument("--speed", nargs="*", default=["1024x16", "16384x1", "131072x1"],
                         help="timed cases, LENGTHxCOUNT (32 query and 2 KV heads)")
     ARGS = parser.parse_args()
+    # Checked before any compile or check runs: `--speed` takes every word after it, so an
+    # OUT.json written last would otherwise fail only after the checks.
+    for case in ARGS.speed:
+        n, _, c = case.partition("x")
+        if not (n.isdigit() and c.isdigit() and int(n) > 0 and int(c) > 0):
+            parser.error(f"--speed {case!r}: expected LENGTHxCOUNT such as 131072x1 "
+                         "(OUT.json goes before the options)")
     main()
