@@ -84,9 +84,9 @@ fn growing_scores_rescale_the_output_exactly_enough() {
 #[test]
 fn slowly_growing_scores_keep_and_then_move_the_maxima() {
     // Scores rising by a few units (base 2, scaled) per 128-key tile: every row's maximum
-    // moves by small steps, tile after tile, over one sequence of nine tiles. Under a lazy
-    // rescaling with a threshold of 8 (bench/experiments/attention_lazy_rescale.patch) a row
-    // keeps a stale maximum for a tile or so (probabilities up to 2^8) and then moves it.
+    // moves by small steps, tile after tile, over one sequence of nine tiles. Under the
+    // kernel's lazy rescaling (threshold 2^8, `RESCALE_THRESHOLD`) a row keeps a stale
+    // maximum for a tile or so (probabilities up to 2^8) and then moves it.
     let (Some(client), Some(kernel)) = (client(), kernel()) else {
         return;
     };
