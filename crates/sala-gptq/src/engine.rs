@@ -20,7 +20,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 use sala_formats::nvfp4::global_scale_from_amax;
-use sala_formats::{BlockScales, GptqPacked, Nvfp4Matrix};
+use sala_formats::{BlockScales, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
 use sala_hessian::{
     proxy_error, Gptq, Hessian, HessianError, IntGrid, Method, QuantizedLinear, UnfinishedGptq,
@@ -836,7 +836,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         stats: &[Option<Finalized<B>>],
         smoothed: &BTreeMap<String, Smoothed>,
         progress: &mut dyn Progress,
-    ) -> Result<Vec<(String, SolvedLinear)>, PipelineError> {
+    ) -> Result<Vec<(String, Solved)>, PipelineError> {
         let group_of: BTreeMap<&str, usize> = groups
             .iter()
             .enumerate()
@@ -851,9 +851,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .filter(|l| stage.contains(&group_of[l.name.as_str()]))
             .cloned()
             .collect();
-        // A GPTQ linear's host finishing and packing run on a thread of their own while the
-        // next linear is solved (a device would wait for them otherwise); one at a time, and
-        // settled in the plan's order, which the reports and the checkpoint keep.
+        // A GPTQ linear's host finishing runs on a thread of its own while the next linear is
+        // solved (a device would wait for it otherwise); one at a time, and settled in the
+        // plan's order, which the reports and the checkpoint keep. Its packing waits for the
+        // writer ([`Solved::packed`]), which runs beside the forward.
         let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
@@ -872,7 +873,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 match outcome {
                     SolveOutcome::Done(result) => {
                         self.linears.push(report);
-                        solved.push((linear.name, result));
+                        solved.push((linear.name, Solved::Packed(result)));
                     }
                     SolveOutcome::Finishing(unfinished) => {
                         finishing = Some(Finishing {
@@ -881,8 +882,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                             handle: {
                                 let pool = pool.clone();
                                 scope.spawn(move || match pool {
-                                    Some(pool) => pool.install(|| finish_and_pack(unfinished)),
-                                    None => finish_and_pack(unfinished),
+                                    Some(pool) => pool.install(|| finish(unfinished)),
+                                    None => finish(unfinished),
                                 })
                             },
                         })
@@ -992,7 +993,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         &mut self,
         finishing: Finishing<'_>,
         weights: &mut LayerWeights,
-    ) -> Result<(String, SolvedLinear), PipelineError> {
+    ) -> Result<(String, Solved), PipelineError> {
         let Finishing {
             name,
             mut report,
@@ -1005,7 +1006,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 linear: name.clone(),
                 source,
             })?;
-        let q = finished.quantized;
+        let mut q = finished.quantized;
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;
         report.error_hessian = Some(ErrorHessian::Full);
@@ -1014,11 +1015,10 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         if let Some(seconds) = finished.finish_seconds {
             report.add_step("solver: finish (host)", seconds);
         }
-        report.add_step("pack", finished.pack_seconds);
-        report.seconds += finished.finish_seconds.unwrap_or(0.0) + finished.pack_seconds;
-        weights.get_mut(&format!("{name}.weight"))?.data = q.dequantized;
+        report.seconds += finished.finish_seconds.unwrap_or(0.0);
+        weights.get_mut(&format!("{name}.weight"))?.data = std::mem::take(&mut q.dequantized);
         self.linears.push(report);
-        Ok((name, SolvedLinear::Gptq(finished.packed)))
+        Ok((name, Solved::Unpacked(q)))
     }
 
     /// Adds the solvers' own step times since the last call to `steps`, as `solver: STEP`.
@@ -1479,8 +1479,33 @@ struct Nvfp4Solution {
 enum SolveOutcome {
     /// Solved, packed, its weight replaced by the dequantized one.
     Done(SolvedLinear),
-    /// GPTQ whose host finishing is still to run ([`finish_and_pack`], then `settle`).
+    /// GPTQ whose host finishing is still to run ([`finish`], then `settle`).
     Finishing(UnfinishedGptq),
+}
+
+/// A settled linear on its way to the sink.
+enum Solved {
+    /// In the checkpoint's form already (NVFP4's packing is part of its solve).
+    Packed(SolvedLinear),
+    /// GPTQ's codes and parameters (the dequantized weight moved out), packed by the writer:
+    /// the layer's last packing would otherwise hold up the forward that needs only the
+    /// dequantized weights.
+    Unpacked(QuantizedLinear),
+}
+
+impl Solved {
+    /// The checkpoint's form: GPTQ is packed here (AutoGPTQ, v1 zeros).
+    fn packed(&self, name: &str) -> Result<std::borrow::Cow<'_, SolvedLinear>, PipelineError> {
+        match self {
+            Solved::Packed(linear) => Ok(std::borrow::Cow::Borrowed(linear)),
+            Solved::Unpacked(q) => Ok(std::borrow::Cow::Owned(SolvedLinear::Gptq(
+                q.pack().map_err(|source| PipelineError::Solve {
+                    linear: name.to_owned(),
+                    source,
+                })?,
+            ))),
+        }
+    }
 }
 
 /// A GPTQ linear whose host finishing runs on a thread of the solve loop's scope.
@@ -1490,41 +1515,34 @@ struct Finishing<'scope> {
     handle: std::thread::ScopedJoinHandle<'scope, Result<FinishedGptq, HessianError>>,
 }
 
-/// [`finish_and_pack`]'s result.
+/// [`finish`]'s result.
 struct FinishedGptq {
     quantized: QuantizedLinear,
-    packed: GptqPacked,
     /// Seconds of the finishing, when there was any to do.
     finish_seconds: Option<f64>,
-    pack_seconds: f64,
 }
 
-/// The host's part of a GPTQ linear after the solver's: finishing (codes back in the original
-/// order, the dequantized weight) and the AutoGPTQ packing.
-fn finish_and_pack(unfinished: UnfinishedGptq) -> Result<FinishedGptq, HessianError> {
+/// The host's part of a GPTQ linear after the solver's: the codes back in the original order
+/// and the dequantized weight.
+fn finish(unfinished: UnfinishedGptq) -> Result<FinishedGptq, HessianError> {
     let t = Instant::now();
     let finishing = unfinished.needs_finishing();
     let quantized = unfinished.finish()?;
-    let finish_seconds = finishing.then(|| seconds_since(t));
-    let t = Instant::now();
-    let packed = quantized.pack()?;
     Ok(FinishedGptq {
         quantized,
-        packed,
-        finish_seconds,
-        pack_seconds: seconds_since(t),
+        finish_seconds: finishing.then(|| seconds_since(t)),
     })
 }
 
 fn hand_over(
     sink: &mut dyn LayerSink,
-    solved: &[(String, SolvedLinear)],
+    solved: &[(String, Solved)],
     weights: &LayerWeights,
     quantized: &BTreeSet<String>,
     modified: &BTreeSet<String>,
 ) -> Result<(), PipelineError> {
     for (name, linear) in solved {
-        sink.quantized(name, linear)?;
+        sink.quantized(name, &*linear.packed(name)?)?;
     }
     for (name, tensor) in &weights.tensors {
         let module = name.strip_suffix(".weight").unwrap_or(name);
