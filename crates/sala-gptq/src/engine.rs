@@ -20,7 +20,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 use sala_formats::nvfp4::global_scale_from_amax;
-use sala_formats::{BlockScales, Nvfp4Matrix};
+use sala_formats::{BlockScales, GptqPacked, Nvfp4Matrix};
 use sala_hessian::solver::LinearSolver;
 use sala_hessian::{
     proxy_error, Gptq, Hessian, HessianError, IntGrid, Method, QuantizedLinear, UnfinishedGptq,
@@ -853,13 +853,16 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             .collect();
         // A GPTQ linear's host finishing runs on a thread of its own while the next linear is
         // solved (a device would wait for it otherwise); one at a time, and settled in the
-        // plan's order, which the reports and the checkpoint keep. Its packing waits for the
-        // writer ([`Solved::packed`]), which runs beside the forward.
+        // plan's order, which the reports and the checkpoint keep. It packs there too, but for
+        // the last linear, which has no next solve to hide behind: that one's packing waits for
+        // the writer ([`Solved::packed`]), which runs beside the forward.
         let pool = self.finishing_pool().clone();
         std::thread::scope(|scope| {
             let mut finishing: Option<Finishing<'_>> = None;
             let read_next = next_reads_same_hessian(&planned, &group_of, stats);
-            for (linear, read_next) in planned.into_iter().zip(read_next) {
+            let count = planned.len();
+            for (i, (linear, read_next)) in planned.into_iter().zip(read_next).enumerate() {
+                let pack_now = i + 1 < count;
                 let solve = LinearSolve {
                     linear: &linear,
                     group: group_of[linear.name.as_str()],
@@ -882,8 +885,8 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                             handle: {
                                 let pool = pool.clone();
                                 scope.spawn(move || match pool {
-                                    Some(pool) => pool.install(|| finish(unfinished)),
-                                    None => finish(unfinished),
+                                    Some(pool) => pool.install(|| finish(unfinished, pack_now)),
+                                    None => finish(unfinished, pack_now),
                                 })
                             },
                         })
@@ -1016,9 +1019,17 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             report.add_step("solver: finish (host)", seconds);
         }
         report.seconds += finished.finish_seconds.unwrap_or(0.0);
+        if let Some(seconds) = finished.pack_seconds {
+            report.add_step("pack", seconds);
+            report.seconds += seconds;
+        }
         weights.get_mut(&format!("{name}.weight"))?.data = std::mem::take(&mut q.dequantized);
         self.linears.push(report);
-        Ok((name, Solved::Unpacked(q)))
+        let solved = match finished.packed {
+            Some(packed) => Solved::Packed(SolvedLinear::Gptq(packed)),
+            None => Solved::Unpacked(q),
+        };
+        Ok((name, solved))
     }
 
     /// Adds the solvers' own step times since the last call to `steps`, as `solver: STEP`.
@@ -1030,7 +1041,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         }
     }
 
-    /// GPTQ of one linear up to the host's finishing ([`finish_and_pack`]), which the caller
+    /// GPTQ of one linear up to the host's finishing ([`finish`]), which the caller
     /// runs beside the next linear's solve.
     fn solve_gptq(
         &self,
@@ -1488,8 +1499,8 @@ enum Solved {
     /// In the checkpoint's form already (NVFP4's packing is part of its solve).
     Packed(SolvedLinear),
     /// GPTQ's codes and parameters (the dequantized weight moved out), packed by the writer:
-    /// the layer's last packing would otherwise hold up the forward that needs only the
-    /// dequantized weights.
+    /// the stage's last linear, whose packing would otherwise hold up the forward that needs
+    /// only the dequantized weights.
     Unpacked(QuantizedLinear),
 }
 
@@ -1518,19 +1529,29 @@ struct Finishing<'scope> {
 /// [`finish`]'s result.
 struct FinishedGptq {
     quantized: QuantizedLinear,
+    /// The AutoGPTQ packing, when it was asked for.
+    packed: Option<GptqPacked>,
     /// Seconds of the finishing, when there was any to do.
     finish_seconds: Option<f64>,
+    /// Seconds of the packing, when it was done.
+    pack_seconds: Option<f64>,
 }
 
-/// The host's part of a GPTQ linear after the solver's: the codes back in the original order
-/// and the dequantized weight.
-fn finish(unfinished: UnfinishedGptq) -> Result<FinishedGptq, HessianError> {
+/// The host's part of a GPTQ linear after the solver's: the codes back in the original order,
+/// the dequantized weight and, with `pack`, the AutoGPTQ packing (which then holds half a byte
+/// per weight where the codes hold one).
+fn finish(unfinished: UnfinishedGptq, pack: bool) -> Result<FinishedGptq, HessianError> {
     let t = Instant::now();
     let finishing = unfinished.needs_finishing();
     let quantized = unfinished.finish()?;
+    let finish_seconds = finishing.then(|| seconds_since(t));
+    let t = Instant::now();
+    let packed = pack.then(|| quantized.pack()).transpose()?;
     Ok(FinishedGptq {
+        pack_seconds: packed.as_ref().map(|_| seconds_since(t)),
         quantized,
-        finish_seconds: finishing.then(|| seconds_since(t)),
+        packed,
+        finish_seconds,
     })
 }
 

@@ -44,7 +44,7 @@ pub struct LinearReport {
     pub rtn_fallback: bool,
     /// Wall time of the solve, seconds.
     pub seconds: f64,
-    /// Where the solve's seconds went, by step: the pipeline's `solve`, `baseline`…,
+    /// Where the solve's seconds went, by step: the pipeline's `solve`, `baseline`, `pack`…,
     /// and the solver's own steps inside them as `solver: STEP` (a device solver's uploads,
     /// factor, column loop, downloads, host finishing; a host solver reports none).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -95,7 +95,8 @@ pub struct StageSeconds {
     pub solve: f64,
     /// Forward passes with the quantized weights.
     pub propagate: f64,
-    /// Writing tensors, GPTQ's AutoGPTQ packing included: on a thread of its own, beside
+    /// Writing tensors, with the AutoGPTQ packing of each stage's last GPTQ linear (the others
+    /// pack beside the next solve): on a thread of its own, beside
     /// [`propagate`](Self::propagate) (so not part of the layer's wall time unless it outlasts
     /// the forward).
     pub write: f64,
