@@ -722,10 +722,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
     ) -> Result<InputStats<B>, PipelineError> {
         let dim = weights.get(&format!("{}.weight", group.readers[0]))?.shape[1];
         let on_device = self.options.device_statistics.then(|| self.runner.device());
-        InputStats::new(kind, dim, on_device).map_err(|source| PipelineError::Solve {
-            linear: group.readers[0].clone(),
-            source,
-        })
+        InputStats::new(kind, dim, on_device).map_err(PipelineError::solve(&group.readers[0]))
     }
 
     /// SmoothQuant on every group the plan marks ([`PlannedLinear::smooth_group`]) with a
@@ -1005,10 +1002,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let finished = handle
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            .map_err(|source| PipelineError::Solve {
-                linear: name.clone(),
-                source,
-            })?;
+            .map_err(PipelineError::solve(&name))?;
         let mut q = finished.quantized;
         report.gptq_loss = Some(q.loss);
         report.output_error = q.proxy_error;
@@ -1057,10 +1051,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
         let opts = &self.options.gptq;
         let config = opts.solver_config(bits, group_size);
         let grid = config.grid;
-        let solve_err = |source| PipelineError::Solve {
-            linear: linear.name.clone(),
-            source,
-        };
+        let solve_err = PipelineError::solve(&linear.name);
         // The options are checked here whatever the solver (and even under --rtn).
         Gptq::new(config).map_err(solve_err)?;
         // A device Hessian comes to the host only for a solver that needs it there.
@@ -1259,10 +1250,7 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
             linear: name.clone(),
             source,
         };
-        let solve_err = |source| PipelineError::Solve {
-            linear: name.clone(),
-            source,
-        };
+        let solve_err = PipelineError::solve(&name);
         let options = self.options.nvfp4_gptq();
         let gptq = match (resident, hessian) {
             (Some((solver, h)), _) if compare => Some(
@@ -1510,10 +1498,7 @@ impl Solved {
         match self {
             Solved::Packed(linear) => Ok(std::borrow::Cow::Borrowed(linear)),
             Solved::Unpacked(q) => Ok(std::borrow::Cow::Owned(SolvedLinear::Gptq(
-                q.pack().map_err(|source| PipelineError::Solve {
-                    linear: name.to_owned(),
-                    source,
-                })?,
+                q.pack().map_err(PipelineError::solve(name))?,
             ))),
         }
     }

@@ -206,6 +206,16 @@ pub enum PipelineError {
     },
 }
 
+impl PipelineError {
+    /// The map from a solver's error to [`PipelineError::Solve`] naming `linear`.
+    pub(crate) fn solve(linear: &str) -> impl Fn(sala_hessian::HessianError) -> Self + Copy + '_ {
+        move |source| PipelineError::Solve {
+            linear: linear.to_owned(),
+            source,
+        }
+    }
+}
+
 /// The first few of `names`, and how many more.
 fn list_some(names: &[String]) -> String {
     let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();

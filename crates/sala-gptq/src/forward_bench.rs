@@ -351,12 +351,8 @@ impl<B: Backend> CasePass<'_, B> {
                 .weights
                 .get(&format!("{}.weight", group.readers[0]))?
                 .shape[1];
-            let s = InputStats::<B>::new(StatsKind::Full, dim, Some(device)).map_err(|source| {
-                PipelineError::Solve {
-                    linear: group.readers[0].clone(),
-                    source,
-                }
-            })?;
+            let s = InputStats::<B>::new(StatsKind::Full, dim, Some(device))
+                .map_err(PipelineError::solve(&group.readers[0]))?;
             stats.push((group.readers[0].clone(), s));
         }
         self.sync()?;

@@ -192,10 +192,7 @@ impl<B: Backend> InputStats<B> {
     /// The normalized statistics: device Hessians stay on the device, the rest is on the
     /// host. `input` names the input in errors.
     pub(crate) fn finalize(self, input: &str) -> Result<Finalized<B>, PipelineError> {
-        let err = |source| PipelineError::Solve {
-            linear: input.to_owned(),
-            source,
-        };
+        let err = PipelineError::solve(input);
         let empty = || PipelineError::NoSamples(format!("no sample reached {input}"));
         Ok(match self {
             InputStats::Both(hessian, channels) => {
@@ -394,10 +391,7 @@ impl<B: Backend> Finalized<B> {
                 let n = h.dim();
                 let mut m = h.to_row_major();
                 sala_smooth::transform_hessian(&mut m, n, scales).map_err(smooth_err)?;
-                *h = Hessian::from_row_major(n, &m).map_err(|source| PipelineError::Solve {
-                    linear: group.to_owned(),
-                    source,
-                })?;
+                *h = Hessian::from_row_major(n, &m).map_err(PipelineError::solve(group))?;
             }
             Finalized::DeviceFull(h) => {
                 let n = h.dims()[0];
@@ -457,10 +451,7 @@ impl<B: Backend> Finalized<B> {
                 let dim = h.dims()[0];
                 let values = finite_values(h.clone(), input)?;
                 let hessian =
-                    mirrored_lower(&values, dim, 1).map_err(|source| PipelineError::Solve {
-                        linear: input.to_owned(),
-                        source,
-                    })?;
+                    mirrored_lower(&values, dim, 1).map_err(PipelineError::solve(input))?;
                 Ok(Some(Cow::Owned(hessian)))
             }
             Finalized::Diagonal(_) => Ok(None),
