@@ -2,12 +2,14 @@
 on the GPU machine, outside the Rust build: NVRTC (ctypes) compiles it for sm_90a, CuPy launches
 it on PyTorch tensors, PyTorch in f32 is the reference and PyTorch's bf16 SDPA the peer.
 
-    python3 bench/flash_sm90.py [OUT.json] [--source FILE.cu] [--smem BYTES] [--threads N]
-                                [--no-checks] [--speed 1024x16 16384x1 ...]
+    python3 bench/flash_sm90.py [OUT.json] [--source FILE.cu] [--module FILE.ptx]
+                                [--smem BYTES] [--threads N] [--no-checks]
+                                [--speed 1024x16 16384x1 ...]
 
 Prints a table; with OUT.json writes every figure there. `--source` checks another version of
 the kernel (same entry point and arguments), `--smem` its dynamic shared memory and `--threads`
-its block size. Each check and timing runs under a time limit (`--limit` seconds): a kernel
+its block size. `--module` loads a kernel already compiled (PTX or CUBIN, such as the PTX the Rust
+build loads: `bench_attention --dump-ptx FILE`) instead of compiling the source. Each check and timing runs under a time limit (`--limit` seconds): a kernel
 that hangs is reported, not waited for."""
 import argparse, ctypes, glob, json, math, os, sys, time
 
@@ -53,7 +55,9 @@ def compile_cubin():
     lib.nvrtcGetCUBIN(prog, cubin)
     path = "/tmp/flash_sm90.cubin"
     open(path, "wb").write(cubin.raw)
-    return path, name
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return path, f"{name} ({major.value}.{minor.value})"
 
 
 def work_list(lengths, group):
@@ -70,7 +74,7 @@ def work_list(lengths, group):
 
 class Kernel:
     def __init__(self):
-        path, self.nvrtc = compile_cubin()
+        path, self.nvrtc = (ARGS.module, "none: " + ARGS.module) if ARGS.module else compile_cubin()
         self.fn = cupy.RawModule(path=path).get_function("sala_flash_attention_sm90")
         self.fn.max_dynamic_shared_size_bytes = ARGS.smem
 
@@ -188,6 +192,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?")
     parser.add_argument("--source", default=SOURCE)
+    parser.add_argument("--module", help="a compiled PTX or CUBIN file to load instead of --source")
     parser.add_argument("--smem", type=int, default=SMEM)
     parser.add_argument("--threads", type=int, default=384)
     parser.add_argument("--limit", type=float, default=60.0)

@@ -6,7 +6,12 @@
 //!
 //! ```text
 //! bench_attention [--cases 16x1024,1x16384,1x131072] [--reps 3] [--planes 4,8] [--json FILE]
+//!                 [--dump-ptx FILE]
 //! ```
+//!
+//! The Hopper route is timed twice: `hopper` by the wall clock around the synchronised call
+//! like the others, `hopper_events` by CUDA events around the kernel alone. `--dump-ptx`
+//! writes the PTX the Hopper kernel was loaded from (for `bench/flash_sm90.py --module`).
 //!
 //! Per case and route: best seconds of `--reps` calls after one untimed call (device
 //! synchronised around each), TFLOP/s of the causal work (`4·d·heads·Σ T(T+1)/2`), and
@@ -29,13 +34,14 @@ use sala_kernels::KernelError;
 type Client = ComputeClient<CudaRuntime>;
 
 const USAGE: &str =
-    "usage: bench_attention [--cases COUNTxLEN,...] [--reps N] [--planes P,...] [--json FILE]";
+    "usage: bench_attention [--cases COUNTxLEN,...] [--reps N] [--planes P,...] [--json FILE] [--dump-ptx FILE]";
 
 struct Args {
     cases: Vec<(usize, usize)>,
     reps: usize,
     planes: Vec<usize>,
     json: Option<std::path::PathBuf>,
+    dump_ptx: Option<std::path::PathBuf>,
 }
 
 fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> Result<Vec<T>, String> {
@@ -50,6 +56,7 @@ fn parse() -> Result<Args, String> {
         reps: 3,
         planes: vec![4, 8],
         json: None,
+        dump_ptx: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,8 +75,16 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, String>>()?
             }
             "--reps" => args.reps = value()?.parse().map_err(|_| "bad --reps".to_string())?,
-            "--planes" => args.planes = parse_list(&value()?, "plane count")?,
+            "--planes" => {
+                let list = value()?;
+                // `none` leaves the CubeCL flash kernel out (slow at 131072).
+                args.planes = match list.as_str() {
+                    "none" => Vec::new(),
+                    _ => parse_list(&list, "plane count")?,
+                }
+            }
             "--json" => args.json = Some(value()?.into()),
+            "--dump-ptx" => args.dump_ptx = Some(value()?.into()),
             _ => return Err(USAGE.to_string()),
         }
     }
@@ -123,6 +138,20 @@ fn time(
     Ok(best)
 }
 
+/// The NVRTC library's version as it reports it, or why it could not.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-pointers to live integers; cudarc loads the library on first use.
+    let call = std::panic::AssertUnwindSafe(|| unsafe {
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
+    });
+    match std::panic::catch_unwind(call) {
+        Ok(cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS) => format!("{major}.{minor}"),
+        Ok(rc) => format!("unknown ({rc:?})"),
+        Err(_) => "not loaded".into(),
+    }
+}
+
 fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     let top = b.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
     let diff = a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
@@ -158,6 +187,13 @@ fn main() -> ExitCode {
             None
         }
     };
+    println!("NVRTC {}", nvrtc_version());
+    if let (Some(path), Some(kernel)) = (&args.dump_ptx, &hopper) {
+        if let Err(e) = std::fs::write(path, kernel.ptx()) {
+            eprintln!("{}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
     let shape = AttentionShape {
         heads: 32,
         kv_heads: 2,
@@ -220,6 +256,12 @@ fn main() -> ExitCode {
             });
             let got = t.as_ref().ok().map(|_| download(&client, &out));
             report("hopper".into(), t, got);
+            let mut best = f64::INFINITY;
+            let events = (0..args.reps.max(1))
+                .map(|_| hopper.run_timed(&client, &shape, &offsets, [&q, &k, &v, &out]))
+                .try_for_each(|s| s.map(|s| best = best.min(s)))
+                .map(|()| best);
+            report("hopper_events".into(), events, None);
         }
         if tokens <= 16384 {
             let out = client.empty(tokens * 32 * 128 * 2);

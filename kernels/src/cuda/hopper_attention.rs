@@ -20,7 +20,7 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
@@ -53,6 +53,8 @@ const SHARED_BYTES: u32 = 7 * 128 * 128 * 2 + 128 + 1024;
 pub struct HopperAttention {
     lib: LibStream,
     function: CudaFunction,
+    /// The PTX NVRTC produced, kept to compare builds of the same source.
+    ptx: String,
 }
 
 // SAFETY: the function handle belongs to the module held by the context, which CUDA lets any
@@ -107,6 +109,7 @@ impl HopperAttention {
                 what: "Hopper attention (NVRTC compile)",
                 message: e.to_string(),
             })?;
+            let ptx_text = ptx.to_src();
             let module = ctx
                 .load_module(ptx)
                 .map_err(|e| driver_error("Hopper attention (module load)", e))?;
@@ -119,7 +122,11 @@ impl HopperAttention {
                     SHARED_BYTES as i32,
                 )
                 .map_err(|e| driver_error("Hopper attention (shared memory)", e))?;
-            Ok(Self { lib, function })
+            Ok(Self {
+                lib,
+                function,
+                ptx: ptx_text,
+            })
         })
     }
 
@@ -127,6 +134,12 @@ impl HopperAttention {
     /// finite scale (the online softmax takes maxima of unscaled scores).
     pub fn supports(shape: &AttentionShape) -> bool {
         shape.head_dim == HOPPER_HEAD_DIM && shape.scale.is_finite() && shape.scale > 0.0
+    }
+
+    /// The PTX that NVRTC produced for the kernel and the driver assembled: what another build
+    /// of the same source (the harness `bench/flash_sm90.py`, another NVRTC) can be set beside.
+    pub fn ptx(&self) -> &str {
+        &self.ptx
     }
 
     /// `out[t, h, :] = Σ_j softmax_j(scale · q[t, h, :]·k[j, h/group, :]) · v[j, h/group, :]`
@@ -139,8 +152,36 @@ impl HopperAttention {
         client: &ComputeClient<CudaRuntime>,
         shape: &AttentionShape,
         offsets: &[usize],
-        [q, k, v, out]: [&Handle; 4],
+        buffers: [&Handle; 4],
     ) -> Result<(), KernelError> {
+        self.launch(client, shape, offsets, buffers, false)
+            .map(drop)
+    }
+
+    /// [`run`](Self::run), and the kernel's own time in seconds, measured by CUDA events
+    /// recorded on the kernel's stream just before and after the launch: without the wait for
+    /// CubeCL's queue, the work list's upload and the host's synchronisation that `run`'s wall
+    /// clock holds. `0.0` when there is no work.
+    pub fn run_timed(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        shape: &AttentionShape,
+        offsets: &[usize],
+        buffers: [&Handle; 4],
+    ) -> Result<f64, KernelError> {
+        self.launch(client, shape, offsets, buffers, true)
+            .map(|seconds| seconds.unwrap_or(0.0))
+    }
+
+    /// The launch behind [`run`](Self::run); with `timed`, the kernel's seconds by events.
+    fn launch(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        shape: &AttentionShape,
+        offsets: &[usize],
+        [q, k, v, out]: [&Handle; 4],
+        timed: bool,
+    ) -> Result<Option<f64>, KernelError> {
         check_inputs(shape, offsets, size_of::<half::bf16>(), [q, k, v, out])?;
         if !Self::supports(shape) {
             return Err(KernelError::unsupported(
@@ -154,7 +195,7 @@ impl HopperAttention {
         let work = work_list(offsets, shape.group(), HOPPER_ROWS_PER_BLOCK);
         let items = work.len() / 3;
         if items == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let blocks = items
             .checked_mul(shape.kv_heads)
@@ -194,6 +235,13 @@ impl HopperAttention {
                 .arg(&heads)
                 .arg(&kv_heads)
                 .arg(&scale_log2);
+            let event = |what| {
+                timed
+                    .then(|| stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+                    .transpose()
+                    .map_err(|e| driver_error(what, e))
+            };
+            let start = event("Hopper attention (start event)")?;
             // SAFETY: the arguments match the kernel's signature (four bf16 pointers, the
             // work list, three u32 and an f32); every index it forms stays inside its
             // buffer: `check_inputs` checked the buffers against the shape and the offsets,
@@ -202,7 +250,15 @@ impl HopperAttention {
             // is `items · kv_heads` blocks.
             unsafe { launch.launch(config) }
                 .map_err(|e| driver_error("Hopper attention (launch)", e))?;
-            self.lib.synchronize("Hopper attention")
+            let end = event("Hopper attention (end event)")?;
+            self.lib.synchronize("Hopper attention")?;
+            match (start, end) {
+                (Some(start), Some(end)) => start
+                    .elapsed_ms(&end)
+                    .map(|ms| Some(f64::from(ms) / 1e3))
+                    .map_err(|e| driver_error("Hopper attention (event time)", e)),
+                _ => Ok(None),
+            }
         })
     }
 }

@@ -126,3 +126,33 @@ fn refuses_other_head_dims_and_scales() {
         );
     }
 }
+
+#[test]
+fn a_timed_run_writes_the_same_output_and_a_positive_kernel_time() {
+    let (Some(client), Some(kernel)) = (client(), kernel()) else {
+        return;
+    };
+    let mut rng = Rng::new(85);
+    let shape = shape(32, 2, 128);
+    let offsets = offsets_of(&[200, 57]);
+    let x = bf16_inputs(Inputs::random(&mut rng, &shape, 257));
+    let plain = run(&client, &kernel, &shape, &offsets, &x);
+    let mut seconds = 0.0;
+    let timed = run_with(&client, &x, |q, k, v, out| {
+        seconds = kernel.run_timed(&client, &shape, &offsets, [q, k, v, out])?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        plain, timed,
+        "the timed launch computes what the plain one does"
+    );
+    assert!(
+        seconds > 0.0 && seconds < 10.0,
+        "kernel time by events: {seconds} s"
+    );
+    assert!(
+        !kernel.ptx().is_empty() && kernel.ptx().contains("wgmma"),
+        "the kept PTX is the kernel's"
+    );
+}
