@@ -10,8 +10,9 @@
 //! ```
 //!
 //! The Hopper route is timed twice: `hopper` by the wall clock around the synchronised call
-//! like the others, `hopper_events` by CUDA events around the kernel alone. `--dump-ptx`
-//! writes the PTX the Hopper kernel was loaded from (for `bench/flash_sm90.py --module`).
+//! like the others, `hopper_events` by CUDA events around the kernel alone, and the call's
+//! host steps are timed one by one (`hopper call parts`). `--dump-ptx` writes the PTX the
+//! Hopper kernel was loaded from (for `bench/flash_sm90.py --module`).
 //!
 //! Per case and route: best seconds of `--reps` calls after one untimed call (device
 //! synchronised around each), TFLOP/s of the causal work (`4·d·heads·Σ T(T+1)/2`), and
@@ -27,7 +28,9 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::bf16;
 use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
-use sala_kernels::cuda::{blocked_causal_attention_bf16, Cublas, HopperAttention};
+use sala_kernels::cuda::{
+    blocked_causal_attention_bf16, handle_ptr, sync_client, Cublas, HopperAttention,
+};
 use sala_kernels::flash_attention::flash_attention_bf16_with;
 use sala_kernels::KernelError;
 
@@ -136,6 +139,65 @@ fn time(
         }
     }
     Ok(best)
+}
+
+/// Best microseconds of `reps` of each host step of a Hopper call besides the kernel: CubeCL's
+/// sync with nothing queued, the four device-pointer lookups, and the upload of a work list of
+/// this case's size (allocation, pageable copy and free on a stream of its own, as the call
+/// makes them), so that `hopper` − `hopper_events` can be split.
+fn call_parts(
+    client: &Client,
+    offsets: &[usize],
+    group: usize,
+    buffers: [&Handle; 4],
+    reps: usize,
+) -> Result<String, KernelError> {
+    let best = |mut step: Box<dyn FnMut() -> Result<(), KernelError> + '_>| {
+        let mut best = f64::INFINITY;
+        for _ in 0..=reps.max(1) {
+            let t = Instant::now();
+            step()?;
+            best = best.min(t.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok::<f64, KernelError>(best)
+    };
+    let items: usize = offsets
+        .windows(2)
+        .map(|w| ((w[1] - w[0]) * group).div_ceil(sala_kernels::cuda::HOPPER_ROWS_PER_BLOCK))
+        .sum();
+    let work = vec![0u32; 3 * items];
+    let stream = cudarc::driver::CudaContext::new(0)
+        .map_err(|e| KernelError::Launch {
+            what: "CUDA context",
+            message: e.to_string(),
+        })?
+        .new_stream()
+        .map_err(|e| KernelError::Launch {
+            what: "CUDA stream",
+            message: e.to_string(),
+        })?;
+    sync(client);
+    let sync_us = best(Box::new(|| sync_client(client)))?;
+    let lookups_us = best(Box::new(|| {
+        buffers
+            .iter()
+            .try_for_each(|h| handle_ptr(client, h).map(drop))
+    }))?;
+    let upload_us = best(Box::new(|| {
+        let slice = stream.clone_htod(&work).map_err(|e| KernelError::Launch {
+            what: "work list upload",
+            message: e.to_string(),
+        })?;
+        drop(slice);
+        stream.synchronize().map_err(|e| KernelError::Launch {
+            what: "stream sync",
+            message: e.to_string(),
+        })
+    }))?;
+    Ok(format!(
+        "CubeCL sync {sync_us:.0} µs, 4 pointer lookups {lookups_us:.0} µs, work list of {} KiB uploaded and freed {upload_us:.0} µs",
+        work.len() * 4 / 1024
+    ))
 }
 
 /// The NVRTC library's version as it reports it, or why it could not.
@@ -262,6 +324,16 @@ fn main() -> ExitCode {
                 .try_for_each(|s| s.map(|s| best = best.min(s)))
                 .map(|()| best);
             report("hopper_events".into(), events, None);
+            match call_parts(
+                &client,
+                &offsets,
+                shape.group(),
+                [&q, &k, &v, &out],
+                args.reps,
+            ) {
+                Ok(parts) => println!("{case:>10} hopper call parts: {parts}"),
+                Err(e) => println!("{case:>10} hopper call parts FAILED: {e}"),
+            }
         }
         if tokens <= 16384 {
             let out = client.empty(tokens * 32 * 128 * 2);
