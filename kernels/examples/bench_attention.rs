@@ -141,10 +141,33 @@ fn time(
     Ok(best)
 }
 
-/// Best microseconds of `reps` of each host step of a Hopper call besides the kernel: CubeCL's
-/// sync with nothing queued, the four device-pointer lookups, and the upload of a work list of
-/// this case's size (allocation, pageable copy and free on a stream of its own, as the call
-/// makes them), so that `hopper` − `hopper_events` can be split.
+/// Best microseconds of `reps` runs of `step` after one untimed run.
+fn best_micros(
+    reps: usize,
+    mut step: impl FnMut() -> Result<(), KernelError>,
+) -> Result<f64, KernelError> {
+    step()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        step()?;
+        best = best.min(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(best)
+}
+
+/// A CUDA driver error as the kernels crate reports one.
+fn driver(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Launch {
+        what,
+        message: e.to_string(),
+    }
+}
+
+/// Each host step of a Hopper call besides the kernel, best of `reps`: CubeCL's sync with
+/// nothing queued, the four device-pointer lookups, and the upload of a work list of this
+/// case's size (allocation, pageable copy and free on a stream of its own, as the call makes
+/// them), so that `hopper` − `hopper_events` can be split.
 fn call_parts(
     client: &Client,
     offsets: &[usize],
@@ -152,48 +175,30 @@ fn call_parts(
     buffers: [&Handle; 4],
     reps: usize,
 ) -> Result<String, KernelError> {
-    let best = |mut step: Box<dyn FnMut() -> Result<(), KernelError> + '_>| {
-        let mut best = f64::INFINITY;
-        for _ in 0..=reps.max(1) {
-            let t = Instant::now();
-            step()?;
-            best = best.min(t.elapsed().as_secs_f64() * 1e6);
-        }
-        Ok::<f64, KernelError>(best)
-    };
     let items: usize = offsets
         .windows(2)
         .map(|w| ((w[1] - w[0]) * group).div_ceil(sala_kernels::cuda::HOPPER_ROWS_PER_BLOCK))
         .sum();
     let work = vec![0u32; 3 * items];
     let stream = cudarc::driver::CudaContext::new(0)
-        .map_err(|e| KernelError::Launch {
-            what: "CUDA context",
-            message: e.to_string(),
-        })?
+        .map_err(driver("CUDA context"))?
         .new_stream()
-        .map_err(|e| KernelError::Launch {
-            what: "CUDA stream",
-            message: e.to_string(),
-        })?;
+        .map_err(driver("CUDA stream"))?;
     sync(client);
-    let sync_us = best(Box::new(|| sync_client(client)))?;
-    let lookups_us = best(Box::new(|| {
+    let sync_us = best_micros(reps, || sync_client(client))?;
+    let lookups_us = best_micros(reps, || {
         buffers
             .iter()
             .try_for_each(|h| handle_ptr(client, h).map(drop))
-    }))?;
-    let upload_us = best(Box::new(|| {
-        let slice = stream.clone_htod(&work).map_err(|e| KernelError::Launch {
-            what: "work list upload",
-            message: e.to_string(),
-        })?;
-        drop(slice);
-        stream.synchronize().map_err(|e| KernelError::Launch {
-            what: "stream sync",
-            message: e.to_string(),
-        })
-    }))?;
+    })?;
+    let upload_us = best_micros(reps, || {
+        drop(
+            stream
+                .clone_htod(&work)
+                .map_err(driver("work list upload"))?,
+        );
+        stream.synchronize().map_err(driver("stream sync"))
+    })?;
     Ok(format!(
         "CubeCL sync {sync_us:.0} µs, 4 pointer lookups {lookups_us:.0} µs, work list of {} KiB uploaded and freed {upload_us:.0} µs",
         work.len() * 4 / 1024
