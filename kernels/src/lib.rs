@@ -9,6 +9,8 @@
 //! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]), norms
 //!   ([`gates::rms_norm`], the per-head [`gates::rms_norm_rope`]) and the scaled residual, with
 //!   the bf16 rounding points of the unfused chain;
+//! - [`channel_stats`]: weighted sums of squares and of absolute values and the maxima of
+//!   absolute values per column of an input, in one pass ([`channel_stats::channel_sums`]);
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]), and how a symmetric product splits
 //!   into block GEMMs ([`xtx_lower_blocks`]);
 //! - [`hessian_ops`]: what GPTQ reads of a Hessian that stays on the device (diagonal,
@@ -40,6 +42,7 @@
 
 pub mod attention;
 pub mod block_search;
+pub mod channel_stats;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

@@ -6,6 +6,7 @@
 
 mod attention;
 mod block_search;
+mod channel_stats;
 mod common;
 #[cfg(feature = "cuda")]
 mod cusolver;
