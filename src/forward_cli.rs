@@ -10,9 +10,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use clap::Parser;
 use sala_gptq::forward_bench::{
-    measure_case, measure_mixer, profile_case, project_forward, random_hidden, timed_upload,
-    CaseProfile, ForwardCase, ForwardMeasurement, ForwardProjection, LayerFixedCost,
-    MixerMeasurement, PerTokenCost, PRODUCTION_LENGTH_MIX,
+    measure_case, measure_channel_sums, measure_mixer, profile_case, project_forward,
+    random_hidden, timed_upload, CaseProfile, ChannelSumsMeasurement, ForwardCase,
+    ForwardMeasurement, ForwardProjection, LayerFixedCost, MixerMeasurement, PerTokenCost,
+    PRODUCTION_LENGTH_MIX,
 };
 use sala_gptq::model::{
     FastOps, LayerKind, LayerRunner, LayerWeights, Numerics, OpTotal, ProfiledOps, SalaConfig,
@@ -87,6 +88,10 @@ pub struct ForwardReport {
     pub measurements: Vec<ForwardMeasurement>,
     /// The mixers' cores alone (attention, GLA) per layer kind and case.
     pub mixers: Vec<MixerMeasurement>,
+    /// Per case: the per-channel statistics of an input as wide as the MLP's (NVFP4's scales,
+    /// SmoothQuant), the fast op against the tensor ops.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub channel_sums: Vec<ChannelSumsMeasurement>,
     /// Per layer kind: the fitted per-token cost of the capture and propagate passes.
     pub per_token: Vec<KindCost>,
     /// The production calibration run's forward passes, projected.
@@ -302,6 +307,22 @@ impl DeviceJob for ForwardJob {
         if let Some(dir) = &self.dump {
             write_meta(dir, &self.config, &meta)?;
         }
+        let mut channel_sums = Vec::new();
+        for case in &self.cases {
+            let channels = self.config.intermediate_size();
+            if let Some(m) = measure_channel_sums(&runner, case, channels, self.reps)? {
+                eprintln!(
+                    "[{:7.1} s] channel_sums {} [{} × {channels}]: one pass {:.3} ms, tensor ops {:.3} ms, max rel. diff {:.1e}",
+                    started.elapsed().as_secs_f64(),
+                    m.case,
+                    case.tokens(),
+                    m.fast_seconds * 1e3,
+                    m.graph_seconds * 1e3,
+                    m.max_rel_diff_vs_graph
+                );
+                channel_sums.push(m);
+            }
+        }
         let costs: Vec<(String, PerTokenCost, PerTokenCost)> = per_token
             .iter()
             .map(|k| (k.kind.clone(), k.capture, k.propagate))
@@ -315,6 +336,7 @@ impl DeviceJob for ForwardJob {
             fixed,
             measurements,
             mixers,
+            channel_sums,
             per_token,
             projection,
             profiles,

@@ -607,6 +607,86 @@ pub fn measure_mixer<B: Backend>(
     }))
 }
 
+/// NVFP4's and SmoothQuant's per-channel statistics of one input, the fast op's one pass
+/// against the chain of tensor ops it replaces.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChannelSumsMeasurement {
+    /// The case's name.
+    pub case: String,
+    /// Channels of the input (`[tokens, channels]`).
+    pub channels: usize,
+    /// Best seconds of the fast op ([`FastOps::channel_sums`](sala_model::FastOps)).
+    pub fast_seconds: f64,
+    /// Best seconds of the tensor-op chain (what runs without the fast op).
+    pub graph_seconds: f64,
+    /// `max |fast − graph| / max |graph|` over the three statistics, each compared alone.
+    pub max_rel_diff_vs_graph: f64,
+}
+
+/// Times the per-channel statistics of a random input `[case tokens, channels]` in the
+/// runner's storage dtype, weighted per sample as calibration weighs them (once untimed, then
+/// best of `reps`), through the runner's fast op and through the tensor-op chain, and compares
+/// the two; `None` without a fast op for them.
+pub fn measure_channel_sums<B: Backend>(
+    runner: &LayerRunner<B>,
+    case: &ForwardCase,
+    channels: usize,
+    reps: usize,
+) -> Result<Option<ChannelSumsMeasurement>, PipelineError> {
+    let Some(fast) = runner.fast_ops() else {
+        return Ok(None);
+    };
+    let device = runner.device();
+    let tokens = case.tokens();
+    let x = Tensor::<B, 2>::random([tokens, channels], Distribution::Normal(0.0, 1.0), device)
+        .cast(runner.storage_dtype());
+    let (runs, _) = sala_model::sample_runs(&case.lengths, 0..tokens);
+    let failed = |e: sala_model::ModelError| PipelineError::Device {
+        layer: 0,
+        message: e.to_string(),
+    };
+    let Some(want_fast) = fast.channel_sums(&x, &runs).map_err(failed)? else {
+        return Ok(None);
+    };
+    let graph = || crate::stats::channel_sums_reference(&x, &runs);
+    let want_graph = graph();
+    let mut worst = 0f64;
+    for (got, want) in want_fast.into_iter().zip(want_graph) {
+        let diff = (got - want.clone()).abs().max().into_scalar().elem::<f64>();
+        let top = want.abs().max().into_scalar().elem::<f64>();
+        worst = worst.max(diff / top.max(f64::MIN_POSITIVE));
+    }
+    let sync = || {
+        B::sync(device).map_err(|e| PipelineError::Device {
+            layer: 0,
+            message: e.to_string(),
+        })
+    };
+    let best = |call: &mut dyn FnMut() -> Result<(), PipelineError>| {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            sync()?;
+            let t = Instant::now();
+            call()?;
+            sync()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok::<f64, PipelineError>(best)
+    };
+    let fast_seconds = best(&mut || fast.channel_sums(&x, &runs).map(drop).map_err(failed))?;
+    let graph_seconds = best(&mut || {
+        drop(graph());
+        Ok(())
+    })?;
+    Ok(Some(ChannelSumsMeasurement {
+        case: case.name.clone(),
+        channels,
+        fast_seconds,
+        graph_seconds,
+        max_rel_diff_vs_graph: worst,
+    }))
+}
+
 /// Uploads `weights` for `runner`, timed (synchronised before and after).
 pub fn timed_upload<B: Backend>(
     runner: &LayerRunner<B>,

@@ -9,7 +9,7 @@ use sala_hessian::layout::symmetric_from_lower;
 use sala_hessian::{
     ChannelStats, ChannelStatsAccumulator, Hessian, HessianAccumulator, Normalization,
 };
-use sala_model::{gram_reference, sample_runs, to_f32, FastOps, RowRun, TapRows};
+use sala_model::{gram_reference, row_weights, sample_runs, to_f32, FastOps, RowRun, TapRows};
 use std::borrow::Cow;
 use std::cell::OnceCell;
 
@@ -180,8 +180,23 @@ impl<B: Backend> InputStats<B> {
             } => {
                 // In chunks of rows: three f32 copies of a whole `[T, 16384]` input would be
                 // 26 GB at 131,072 tokens (and each one over CubeCL's largest page but one).
-                let chunk = diagonal_chunk_rows(x.dims()[1]);
-                add_channel_sums([square, abs, max], x, &runs, chunk);
+                let one_pass = match fast {
+                    Some(fast) => fast
+                        .channel_sums(x, &runs)
+                        .map_err(|e| (None, e.to_string()))?,
+                    None => None,
+                };
+                match one_pass {
+                    Some([s, a, m]) => {
+                        *square = square.clone() + s;
+                        *abs = abs.clone() + a;
+                        *max = max.clone().max_pair(m);
+                    }
+                    None => {
+                        let chunk = diagonal_chunk_rows(x.dims()[1]);
+                        add_channel_sums([square, abs, max], x, &runs, chunk);
+                    }
+                }
                 *samples += starts as u64;
                 *seen += tokens as u64;
                 Ok(())
@@ -276,6 +291,24 @@ fn add_rows<E>(
     Ok(())
 }
 
+/// `[Σ w x², Σ w |x|, max |x|]` per column of `x` over `runs` by the chain of tensor ops
+/// (each `[1, dim]` f32): what [`FastOps::channel_sums`] must agree with.
+pub(crate) fn channel_sums_reference<B: Backend>(
+    x: &Tensor<B, 2>,
+    runs: &[RowRun],
+) -> [Tensor<B, 2>; 3] {
+    let dim = x.dims()[1];
+    let zeros = || Tensor::<B, 2>::zeros([1, dim], (&x.device(), DType::F32));
+    let (mut square, mut abs, mut max) = (zeros(), zeros(), zeros());
+    add_channel_sums(
+        [&mut square, &mut abs, &mut max],
+        x,
+        runs,
+        diagonal_chunk_rows(dim),
+    );
+    [square, abs, max]
+}
+
 /// Adds `x`'s rows, `rows` at a time, to the device channel sums `[Σ w·x², Σ w·|x|, max |x|]`
 /// (each `[1, dim]`), the rows of each run weighted by its weight.
 fn add_channel_sums<B: Backend>(
@@ -285,7 +318,7 @@ fn add_channel_sums<B: Backend>(
     rows: usize,
 ) {
     let [tokens, dim] = x.dims();
-    let weights = row_weights::<B>(runs, &x.device());
+    let weights = row_weight_column::<B>(runs, &x.device());
     for start in (0..tokens).step_by(rows.max(1)) {
         let end = (start + rows).min(tokens);
         let a = to_f32(x.clone().slice([start..end, 0..dim])).abs();
@@ -306,11 +339,8 @@ pub(crate) fn diagonal_chunk_rows(dim: usize) -> usize {
 }
 
 /// `[Σ rows, 1]`: each run's weight on each of its rows.
-fn row_weights<B: Backend>(runs: &[RowRun], device: &B::Device) -> Tensor<B, 2> {
-    let values: Vec<f32> = runs
-        .iter()
-        .flat_map(|run| std::iter::repeat_n(run.weight, run.rows))
-        .collect();
+fn row_weight_column<B: Backend>(runs: &[RowRun], device: &B::Device) -> Tensor<B, 2> {
+    let values = row_weights(runs);
     let rows = values.len();
     Tensor::from_data(TensorData::new(values, [rows, 1]), (device, DType::F32))
 }

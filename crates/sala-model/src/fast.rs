@@ -164,6 +164,16 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(false)
     }
 
+    /// Per-channel statistics of `x` `[Σ rows, dim]` (storage dtype) over the runs of rows
+    /// `runs` lying back to back in it: `[Σ_r w_r x², Σ_r w_r |x|, max |x|]` per column, each
+    /// `[1, dim]` f32 (the squares as `(|x|·w)·|x|`), what NVFP4's scales and SmoothQuant read;
+    /// `Ok(None)` where this implementation has no one-pass kernel for `x` (the caller's
+    /// chain of tensor ops runs instead).
+    fn channel_sums(&self, x: &Tensor<B, 2>, runs: &[RowRun]) -> Result<Option<[Tensor<B, 2>; 3]>> {
+        let _ = (x, runs);
+        Ok(None)
+    }
+
     /// `h + Σ_r w_r X_rᵀX_r` over the runs of rows `runs` lying back to back in `x`
     /// `[Σ rows, dim]` (storage dtype), `h` `[dim, dim]` f32: with [`sample_runs`]' weights
     /// `1/T_s`, the per-sample-normalised Hessian sums of calibration. By default the graph's
@@ -226,6 +236,13 @@ pub fn sample_runs(lengths: &[usize], rows: std::ops::Range<usize>) -> (Vec<RowR
         }
     }
     (runs, starts)
+}
+
+/// Each run's weight on each of its rows (`Σ rows` values): the per-row form of `runs`.
+pub fn row_weights(runs: &[RowRun]) -> Vec<f32> {
+    runs.iter()
+        .flat_map(|run| std::iter::repeat_n(run.weight, run.rows))
+        .collect()
 }
 
 /// `h + Σ_r w_r X_rᵀX_r` with the backend's f32 matmul: one product of the rows scaled by
@@ -298,6 +315,7 @@ mod cube {
     use cubecl::cuda::CudaRuntime;
     use cubecl::prelude::CubeElement;
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
+    use sala_kernels::channel_stats::{channel_sums, ChannelBlocks};
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
         DriverTransfer, HopperAttention, LinearShape, XtxRun, XtxStream,
@@ -583,6 +601,51 @@ mod cube {
             .map_err(kernel_error("XᵀX"))?;
             drop(view);
             Ok(Tensor::from_primitive(TensorPrimitive::Float(h)))
+        }
+
+        fn channel_sums(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            runs: &[RowRun],
+        ) -> Result<Option<[Tensor<CubeBackend<R, F, I, BT>, 2>; 3]>> {
+            if x.dtype() != DType::BF16 {
+                return Ok(None);
+            }
+            let [rows, cols] = x.dims();
+            let weights = super::row_weights(runs);
+            if weights.len() != rows {
+                return Err(ModelError::InvalidInput(format!(
+                    "channel sums of [{rows}, {cols}] inputs in runs of {} rows",
+                    weights.len()
+                )));
+            }
+            let x = primitive(x.clone());
+            let client = &x.client;
+            let blocks = ChannelBlocks::for_rows(rows);
+            let partials = client.empty(blocks.partial_len(cols) * 4);
+            let weights = client.create_from_slice(bytemuck::cast_slice(&weights));
+            channel_sums::<R, half::bf16>(client, &x.handle, &weights, &partials, rows, cols)
+                .map_err(kernel_error("channel sums"))?;
+            let partials = CubeTensor::new_contiguous(
+                client.clone(),
+                x.device.clone(),
+                [3, blocks.blocks, cols].into(),
+                partials,
+                DType::F32,
+            );
+            let partials: Tensor<CubeBackend<R, F, I, BT>, 3> =
+                Tensor::from_primitive(TensorPrimitive::Float(partials));
+            let plane = |s: usize| {
+                partials
+                    .clone()
+                    .slice([s..s + 1, 0..blocks.blocks, 0..cols])
+                    .reshape([blocks.blocks, cols])
+            };
+            Ok(Some([
+                plane(0).sum_dim(0),
+                plane(1).sum_dim(0),
+                plane(2).max_dim(0),
+            ]))
         }
 
         fn settle_grams(&self) -> Result<()> {

@@ -46,7 +46,7 @@ pub use device::{configure_cuda_runtime, cuda_memory, kernel_cache_dir, CudaBack
 pub use error::{ModelError, Result};
 #[cfg(feature = "cuda")]
 pub use fast::{f32_matrix_view, CudaFastOps};
-pub use fast::{gram_reference, sample_runs, sequence_offsets, FastOps, RowRun};
+pub use fast::{gram_reference, row_weights, sample_runs, sequence_offsets, FastOps, RowRun};
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{nearest_bf16, round_to_bf16, to_f32, Numerics};
 pub use profile::{OpProfile, OpTotal, ProfiledOps};

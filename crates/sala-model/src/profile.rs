@@ -277,6 +277,12 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         )
     }
 
+    fn channel_sums(&self, x: &Tensor<B, 2>, runs: &[RowRun]) -> Result<Option<[Tensor<B, 2>; 3]>> {
+        self.timed("channel_sums", &x.device(), is_some, || {
+            self.inner.channel_sums(x, runs)
+        })
+    }
+
     fn settle_grams(&self) -> Result<()> {
         self.inner.settle_grams()
     }
