@@ -15,7 +15,8 @@
 //! of a long row skip the rescaling.
 //!
 //! The kernel runs on a stream of its own: [`HopperAttention::run`] waits for CubeCL's queued
-//! work first and for its stream after, like the cuBLAS wrappers.
+//! work before the launch (its pointer lookups and work list go first, beside that work) and
+//! for its stream after, like the cuBLAS wrappers.
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
@@ -210,7 +211,9 @@ impl HopperAttention {
         // `check_inputs` bounded the token count by 32-bit indexing: these fit.
         let (items, heads, kv_heads) = (items as u32, shape.heads as u32, shape.kv_heads as u32);
         let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
-        sync_client(client)?;
+        // The pointer lookups (round trips to CubeCL's device thread) and the work list's
+        // upload (on this stream) do not depend on CubeCL's queued work: done first, they
+        // overlap it, and only the launch waits for it.
         self.lib.bind()?;
         let (q, k) = (handle_ptr(client, q)?, handle_ptr(client, k)?);
         let (v, out) = (handle_ptr(client, v)?, handle_ptr(client, out)?);
@@ -219,6 +222,7 @@ impl HopperAttention {
             let work = stream
                 .clone_htod(&work)
                 .map_err(|e| driver_error("Hopper attention (work list)", e))?;
+            sync_client(client)?;
             let config = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (THREADS, 1, 1),
