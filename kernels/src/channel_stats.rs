@@ -59,7 +59,8 @@ impl ChannelBlocks {
 /// [`ChannelBlocks::for_rows`]: `partials` `[3, blocks, cols]` f32 holds the weighted sums of
 /// squares in `[0, b, c]`, the weighted sums of absolute values in `[1, b, c]` and the maxima of
 /// absolute values in `[2, b, c]` of block `b`'s rows. The caller sums (`[0]`, `[1]`) and maxes
-/// (`[2]`) over `b`. Queued and flushed, not awaited.
+/// (`[2]`) over `b`. With no rows or no columns nothing is written. Queued and flushed, not
+/// awaited.
 pub fn channel_sums<R: Runtime, S: Float + CubeElement>(
     client: &ComputeClient<R>,
     x: &Handle,

@@ -608,10 +608,11 @@ mod cube {
             x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
             runs: &[RowRun],
         ) -> Result<Option<[Tensor<CubeBackend<R, F, I, BT>, 2>; 3]>> {
-            if x.dtype() != DType::BF16 {
+            let [rows, cols] = x.dims();
+            // No rows: nothing to add (and no block for the kernel to write).
+            if x.dtype() != DType::BF16 || rows == 0 || cols == 0 {
                 return Ok(None);
             }
-            let [rows, cols] = x.dims();
             let weights = super::row_weights(runs);
             if weights.len() != rows {
                 return Err(ModelError::InvalidInput(format!(
