@@ -5,7 +5,7 @@
 //!
 //! - `Σ_r w_r · x[r, c]²` (`(|x|·w)·|x|` per element, in f32);
 //! - `Σ_r w_r · |x[r, c]|`;
-//! - `max_r |x[r, c]|` (0 for no rows).
+//! - `max_r |x[r, c]|`.
 //!
 //! One cube of units covers [`CHANNEL_UNITS`] neighbouring columns (a row's loads are
 //! contiguous) over a block of rows ([`ChannelBlocks`]) and writes its three partial results;

@@ -178,8 +178,6 @@ impl<B: Backend> InputStats<B> {
                 samples,
                 tokens: seen,
             } => {
-                // In chunks of rows: three f32 copies of a whole `[T, 16384]` input would be
-                // 26 GB at 131,072 tokens (and each one over CubeCL's largest page but one).
                 let one_pass = match fast {
                     Some(fast) => fast
                         .channel_sums(x, &runs)
@@ -193,6 +191,9 @@ impl<B: Backend> InputStats<B> {
                         *max = max.clone().max_pair(m);
                     }
                     None => {
+                        // In chunks of rows: three f32 copies of a whole `[T, 16384]` input
+                        // would be 26 GB at 131,072 tokens (and each one over CubeCL's largest
+                        // page but one).
                         let chunk = diagonal_chunk_rows(x.dims()[1]);
                         add_channel_sums([square, abs, max], x, &runs, chunk);
                     }
