@@ -9,6 +9,11 @@
 //! - [`rms_norm_rope`]: the per-head RMSNorm of [`rms_norm`], then the rotary embedding
 //!   (NeoX rotate-half) `S(y·cos + rotate_half(y)·sin)` at each token's position.
 //!
+//! Over a 2-byte storage type (bf16, f16) with rows of whole 16-byte vectors, every kernel
+//! moves 16-byte vectors: a unit loading 2 bytes at a time keeps too few bytes in flight to
+//! reach the memory's bandwidth. The norms then sum their squares in another order than the
+//! scalar kernels (whole vectors per unit), which can move `rms` by the last f32 bit.
+//!
 //! `σ(g)` is computed as `exp(−ln(1 + exp(−g)))`, the sequence of f32 operations of the Burn
 //! graph's sigmoid (a log-sigmoid then an exponential), so that the fused result matches it
 //! operation for operation. Unfused, each gate costs six to nine passes over memory (the
@@ -260,7 +265,8 @@ const NORM_UNITS: usize = 256;
 /// RMSNorm of each row of `x` `[rows, cols]`: `out = S(S(x / √(mean(x²) + eps)) · w)` with
 /// `w` `[cols]`, the statistics and the division in f32 (the graph's `rms_norm` under bf16
 /// storage; the sum of squares is a tree sum, so it may differ from the graph's in the last
-/// f32 bits). Dense buffers of `S`; `out` must not alias `x`.
+/// f32 bits). Dense buffers of `S`; `out` must not alias `x`. A 2-byte `S` with `cols` a
+/// multiple of 8 and 16-byte aligned buffers takes the 16-byte-vector kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
     client: &ComputeClient<R>,
@@ -285,6 +291,30 @@ pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
     let units = NORM_UNITS.min(client.properties().hardware.max_units_per_cube as usize);
     let units = 1 << units.ilog2();
     let count = crate::launch::cube_count(client, rows)?;
+    let row_vectors = cols / VECTOR;
+    if cols % VECTOR == 0 && vector_count::<S>(len, [x, weight, out]).is_some() {
+        // Fewer units than vectors in a row, so that each unit keeps two or more 16-byte
+        // loads in flight.
+        let units = units.min((row_vectors / 2).max(1).next_power_of_two());
+        // SAFETY: `check_buffers` made sure `x` and `out` hold `rows · cols` elements and
+        // `weight` `cols`, all multiples of 8 starting on 16-byte boundaries; the kernel
+        // reads and writes vectors of row `r < rows` (and of `weight`) only.
+        unsafe {
+            rms_norm_v8_kernel::launch_unchecked::<S, R>(
+                client,
+                count,
+                CubeDim::new_1d(units as u32),
+                vectors_of::<R>(x, rows * row_vectors),
+                vectors_of::<R>(weight, row_vectors),
+                vectors_of::<R>(out, rows * row_vectors),
+                rows,
+                row_vectors,
+                cols,
+                eps,
+            )
+        };
+        return flush(client, "rms norm");
+    }
     rms_norm_kernel::launch::<S, R>(
         client,
         count,
@@ -346,9 +376,13 @@ pub fn scaled_residual<R: Runtime, S: Float + CubeElement>(
     flush(client, "scaled residual")
 }
 
-/// Rows (heads) per cube of [`rms_norm_rope`], and units per row.
+/// Rows (heads) per cube of [`rms_norm_rope`]'s scalar kernel, and units per row.
 const ROPE_ROWS_PER_CUBE: usize = 8;
 const ROPE_UNITS_PER_ROW: usize = 32;
+
+/// Units per cube of [`rms_norm_rope`]'s 16-byte-vector kernel: `head_dim / 16` per row (one
+/// vector of each half of the head), so 32 rows per cube at a head dimension of 128.
+const ROPE_V8_UNITS: usize = 256;
 
 /// The problem of [`rms_norm_rope`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -370,7 +404,9 @@ pub struct NormRopeShape {
 /// `[head_dim]`, then `out = S(y·cos[p] + rotate_half(y)·sin[p])` in f32 with
 /// `rotate_half(y) = [−y[d/2..], y[..d/2]]` and `p = positions[t]` (the token's position in
 /// its sequence) indexing the f32 tables `cos`, `sin` `[positions, head_dim]`. `x`, `w`, `out`
-/// are dense buffers of `S` (`out` must not alias `x`), `positions` of `u32`.
+/// are dense buffers of `S` (`out` must not alias `x`), `positions` of `u32`. A 2-byte `S`
+/// with `head_dim` 64, 128 or 256 and 16-byte aligned buffers takes the 16-byte-vector
+/// kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_rope<R: Runtime, S: Float + CubeElement>(
     client: &ComputeClient<R>,
@@ -423,6 +459,33 @@ pub fn rms_norm_rope<R: Runtime, S: Float + CubeElement>(
     }
     if shape.positions == 0 {
         return Err(KernelError::shape("rms norm rope tables", "no positions"));
+    }
+    let row_units = d / (2 * VECTOR);
+    if row_units.is_power_of_two() && vector_count::<S>(len, [x, weight, out]).is_some() {
+        let count = crate::launch::cube_count(client, rows.div_ceil(ROPE_V8_UNITS / row_units))?;
+        // SAFETY: `check_buffers` made sure `x` and `out` hold `rows · d` elements, `weight`
+        // `d`, all multiples of 8 starting on 16-byte boundaries, the tables `positions · d`
+        // f32 and `positions` a `u32` per token; the kernel reads and writes the vectors of
+        // row `r < rows` only (an idle unit reads the last row) and clamps table rows.
+        unsafe {
+            rms_norm_rope_v8_kernel::launch_unchecked::<S, R>(
+                client,
+                count,
+                CubeDim::new_1d(ROPE_V8_UNITS as u32),
+                vectors_of::<R>(x, len / VECTOR),
+                vectors_of::<R>(weight, d / VECTOR),
+                typed::<R>(cos, table),
+                typed::<R>(sin, table),
+                typed::<R>(positions, shape.tokens),
+                vectors_of::<R>(out, len / VECTOR),
+                rows,
+                shape.heads,
+                shape.positions,
+                shape.eps,
+                d,
+            )
+        };
+        return flush(client, "rms norm rope");
     }
     let count = crate::launch::cube_count(client, rows.div_ceil(ROPE_ROWS_PER_CUBE))?;
     rms_norm_rope_kernel::launch::<S, R>(
@@ -488,6 +551,70 @@ fn rms_norm_kernel<S: Float>(
             c += units;
         }
     }
+}
+
+/// [`rms_norm_kernel`] on 16-byte vectors: the same statistics, each unit summing the squares
+/// of whole vectors (so the f32 sum is added in another order).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_v8_kernel<S: Float>(
+    x: &Array<Vec8<S>>,
+    weight: &Array<Vec8<S>>,
+    out: &mut Array<Vec8<S>>,
+    rows: usize,
+    row_vectors: usize,
+    cols: usize,
+    eps: f32,
+) {
+    let row = CUBE_POS;
+    if row < rows {
+        let u = UNIT_POS as usize;
+        let units = CUBE_DIM as usize;
+        let base = row * row_vectors;
+        let mut acc = 0.0f32;
+        let mut c = u;
+        while c < row_vectors {
+            let v = x[base + c];
+            #[unroll]
+            for e in 0..VECTOR {
+                let f = f32::cast_from(v[e]);
+                acc += f * f;
+            }
+            c += units;
+        }
+        let rms = (cube_sum(acc) / f32::cast_from(cols) + eps).sqrt();
+        let mut c = u;
+        while c < row_vectors {
+            let (v, w) = (x[base + c], weight[c]);
+            let mut o = Vec8::<S>::empty();
+            #[unroll]
+            for e in 0..VECTOR {
+                let normed = round::<S>(f32::cast_from(v[e]) / rms);
+                o[e] = S::cast_from(normed * f32::cast_from(w[e]));
+            }
+            out[base + c] = o;
+            c += units;
+        }
+    }
+}
+
+/// The sum of `value` over the cube's units (a power of two of them, at most 1024), the
+/// same in every unit: a tree in shared memory.
+#[cube]
+fn cube_sum(value: f32) -> f32 {
+    let u = UNIT_POS as usize;
+    let mut partial = SharedMemory::<f32>::new(1024usize);
+    partial[u] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            partial[u] += partial[u + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    partial[0]
 }
 
 /// One unit per element.
@@ -591,5 +718,75 @@ fn rms_norm_rope_kernel<S: Float>(
             out[base + e1] = S::cast_from(y1 * cos[t + e1] + (-y2) * sin[t + e1]);
             out[base + e2] = S::cast_from(y2 * cos[t + e2] + y1 * sin[t + e2]);
         }
+    }
+}
+
+/// [`rms_norm_rope_kernel`] on 16-byte vectors, for a 2-byte `S` and `d / 16` a power of two:
+/// `d / 16` units per row, unit `j` holding vector `j` of the head's first half and vector `j`
+/// of its second (the rotate-half pairs), the sum of squares a tree over the row's units.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_rope_v8_kernel<S: Float>(
+    x: &Array<Vec8<S>>,
+    weight: &Array<Vec8<S>>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    positions: &Array<u32>,
+    out: &mut Array<Vec8<S>>,
+    rows: usize,
+    heads: usize,
+    table_rows: usize,
+    eps: f32,
+    #[comptime] d: usize,
+) {
+    let row_units = comptime!(d / (2 * VECTOR));
+    let u = UNIT_POS as usize;
+    let lane = u % row_units;
+    let local = u / row_units;
+    let mut row = CUBE_POS * comptime!(ROPE_V8_UNITS / row_units) + local;
+    let valid = row < rows;
+    if !valid {
+        row = rows - 1;
+    }
+    let first = row * comptime!(d / VECTOR) + lane;
+    let second = first + row_units;
+    let (a, b) = (x[first], x[second]);
+    let mut acc = 0.0f32;
+    #[unroll]
+    for e in 0..VECTOR {
+        let (fa, fb) = (f32::cast_from(a[e]), f32::cast_from(b[e]));
+        acc += fa * fa + fb * fb;
+    }
+    let mut partial = SharedMemory::<f32>::new(ROPE_V8_UNITS);
+    partial[u] = acc;
+    sync_cube();
+    #[unroll]
+    for step in 0..comptime!(row_units.trailing_zeros()) {
+        let stride = comptime!((row_units >> 1) >> step);
+        if lane < stride {
+            partial[u] += partial[u + stride];
+        }
+        sync_cube();
+    }
+    let rms = (partial[local * row_units] / f32::cast_from(d) + eps).sqrt();
+    let mut p = positions[row / heads] as usize;
+    if p >= table_rows {
+        p = table_rows - 1;
+    }
+    if valid {
+        let (wa, wb) = (weight[lane], weight[lane + row_units]);
+        let mut oa = Vec8::<S>::empty();
+        let mut ob = Vec8::<S>::empty();
+        #[unroll]
+        for e in 0..VECTOR {
+            let e1 = p * d + lane * VECTOR + e;
+            let e2 = e1 + comptime!(d / 2);
+            let y1 = round::<S>(round::<S>(f32::cast_from(a[e]) / rms) * f32::cast_from(wa[e]));
+            let y2 = round::<S>(round::<S>(f32::cast_from(b[e]) / rms) * f32::cast_from(wb[e]));
+            oa[e] = S::cast_from(y1 * cos[e1] + (-y2) * sin[e1]);
+            ob[e] = S::cast_from(y2 * cos[e2] + y1 * sin[e2]);
+        }
+        out[first] = oa;
+        out[second] = ob;
     }
 }
