@@ -242,6 +242,11 @@ impl<'a, B: Backend> LayerEngine<'a, B> {
                 None => source.embed(self.runner, &sample.ids)?,
             };
             hidden.store(i, rows, self.runner.fast_ops())?;
+            // Each sample's temporaries (on the host path its f32 rows, their scaled copy and
+            // the bf16 cast) have sizes of their own, which CubeCL's exact-size pool on CUDA
+            // never reuses for the next sample's: kept, they filled a 27 GB budget before the
+            // first layer.
+            self.release_free_pages();
         }
         let table_used = table.is_some();
         drop(table);
