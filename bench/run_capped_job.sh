@@ -11,6 +11,7 @@
 # the full-size random-weight model to /tmp/sala-full-size unless it is there. OUT receives
 # TAG.log (the command's log with GNU time's figures), TAG-report.json, TAG-gpumem.txt
 # (nvidia-smi's used MiB every 2 s), TAG-rss.txt (the resident set by kind every 2 s),
+# TAG-clocks.txt (SM clock, power, temperature and clock-limit reasons every 2 s),
 # TAG-sha256.txt (the checkpoint's shards), TAG-holder.log and kcache.tgz. QTIMEOUT bounds the run.
 set -u
 CAP=$1; RECIPE=$2; TAG=$3; shift 3
@@ -46,6 +47,11 @@ PY
 fi
 (while true; do echo "$SECONDS $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)"; sleep 2; done) > $OUT/$TAG-gpumem.txt &
 SAMPLER=$!
+# The SM clock (MHz), board power (W), temperature (C) and active clock-limit reasons every 2 s:
+# a long run can hold lower clocks than a short benchmark.
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+  --format=csv,noheader,nounits -l 2 > $OUT/$TAG-clocks.txt 2>&1 &
+CLOCKS=$!
 # The run's resident set by kind (kB): anonymous (heap, pinned staging), file-backed (mapped
 # model and checkpoint pages), shared; every 2 s.
 (while true; do
@@ -61,7 +67,7 @@ timeout --signal=INT --kill-after=10 ${QTIMEOUT:-540} /usr/bin/time -v $B/quanti
   --max-samples 96 --max-len 131072 "$@" > $OUT/$TAG.log 2>&1
 rc=$?
 echo "== $TAG rc=$rc wall=$((SECONDS - t)) s" | tee -a $OUT/$TAG.log
-kill $SAMPLER $RSS_SAMPLER 2>/dev/null; [ -n "$HOLDER" ] && kill $HOLDER 2>/dev/null
+kill $SAMPLER $RSS_SAMPLER $CLOCKS 2>/dev/null; [ -n "$HOLDER" ] && kill $HOLDER 2>/dev/null
 cp /tmp/q-out/quantization_report.json $OUT/$TAG-report.json 2>/dev/null
 # The checkpoint's bytes, to compare runs under different caps.
 (cd /tmp/q-out 2>/dev/null && sha256sum *.safetensors > $OUT/$TAG-sha256.txt)
@@ -69,6 +75,7 @@ tar czf $OUT/kcache.tgz target/sala-kernels target/autotune target/cuda-jit 2>/d
 ls -la $OUT
 grep -v "^\s*$" $OUT/$TAG.log | tail -45
 sort -k2 -n $OUT/$TAG-gpumem.txt | tail -1 | sed 's/^/peak nvidia-smi MiB used: /'
+awk -F', ' '$1 ~ /^[0-9]+$/ {n++; s += $1; p += $2} END {if (n) printf "mean SM clock %.0f MHz, mean power %.0f W over %d samples\n", s / n, p / n, n}' $OUT/$TAG-clocks.txt
 for k in VmRSS RssAnon RssFile RssShmem; do
   awk -v k="$k:" '{for (i = 2; i < NF; i++) if ($i == k && $(i+1) > m) {m = $(i+1); t = $1}} END {printf "peak %s %.2f GB at %s s\n", k, m / 1e6, t}' $OUT/$TAG-rss.txt
 done
