@@ -234,7 +234,7 @@ impl<B: Backend> HiddenStates<B> {
 
     /// Sample `i`'s bf16 values in host storage, writable (`None` on the device, and for a
     /// file on a big-endian host or a map not aligned to 2 bytes).
-    fn host_bf16_mut(&mut self, i: usize) -> Option<&mut [bf16]> {
+    pub(crate) fn host_bf16_mut(&mut self, i: usize) -> Option<&mut [bf16]> {
         let range = self.offsets[i]..self.offsets[i + 1];
         match &mut self.storage {
             Storage::Device(_) => None,

@@ -29,6 +29,19 @@ pub trait WeightSource<B: Backend> {
         Ok(None)
     }
 
+    /// The layer-0 input of `ids` written into `dst` in bf16 on the host
+    /// (`[ids.len(), hidden]`), the values of [`WeightSource::embed`] rounded to bf16, for
+    /// hidden states kept in host memory; `Ok(false)` (the default) where this source only
+    /// embeds on the runner's device.
+    fn embed_host(
+        &self,
+        _runner: &LayerRunner<B>,
+        _ids: &[u32],
+        _dst: &mut [half::bf16],
+    ) -> Result<bool, ModelError> {
+        Ok(false)
+    }
+
     /// Decoder layer `layer`'s weights on the host (f32), which the pipeline smooths and
     /// replaces by their quantized values.
     fn layer(&self, layer: usize) -> Result<LayerWeights, ModelError>;
@@ -56,6 +69,16 @@ impl<B: Backend> WeightSource<B> for CheckpointSource<'_> {
         runner: &LayerRunner<B>,
     ) -> Result<Option<EmbeddingTable<B>>, ModelError> {
         runner.upload_embedding(self.store).map(Some)
+    }
+
+    fn embed_host(
+        &self,
+        runner: &LayerRunner<B>,
+        ids: &[u32],
+        dst: &mut [half::bf16],
+    ) -> Result<bool, ModelError> {
+        runner.embed_bf16_into(self.store, ids, dst)?;
+        Ok(true)
     }
 
     fn layer(&self, layer: usize) -> Result<LayerWeights, ModelError> {

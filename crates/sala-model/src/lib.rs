@@ -50,7 +50,9 @@ pub use fast::{gram_reference, row_weights, sample_runs, sequence_offsets, FastO
 pub use host::{HeadWeights, HostTensor, LayerWeights};
 pub use numerics::{nearest_bf16, round_to_bf16, to_f32, Numerics};
 pub use profile::{OpProfile, OpTotal, ProfiledOps};
-pub use runner::{AttentionMode, EmbeddingTable, LayerRunner, RunOptions, TapRows};
+pub use runner::{
+    AttentionMode, EmbeddingTable, LayerRunner, RunOptions, TapRows, HOST_EMBED_TOKENS,
+};
 pub use safetensors::Dtype;
 pub use source::{DeviceLayerWeights, LayerSource};
 pub use store::{containment_root, TensorInfo, TensorStore, INDEX_FILE, SINGLE_FILE};

@@ -17,7 +17,12 @@ use crate::ops::norm::rms_norm;
 use crate::ops::rope::{apply_rope, RopeTables};
 use crate::source::{DeviceLayerWeights, LayerSource};
 use crate::store::TensorStore;
+use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
+
+/// Tokens per parallel task of [`LayerRunner::embed_bf16_into`]: each task holds the f32 rows
+/// of this many tokens (16 MiB at a hidden size of 4096).
+pub const HOST_EMBED_TOKENS: usize = 1024;
 
 /// How minicpm4 layers treat sequences of `dense_len` tokens or more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -286,6 +291,42 @@ impl<B: Backend> LayerRunner<B> {
         let rows = store.rows_f32(EMBED_TOKENS, ids)?;
         check_host_shape(EMBED_TOKENS, &rows, &[ids.len(), self.config.hidden_size()])?;
         self.scale_embedding(rows.to_tensor_as::<B, 2>(&self.device, DType::F32))
+    }
+
+    /// The layer-0 input of `ids` in bf16 on the host, written into `dst` (`[ids.len(),
+    /// hidden]` row-major): [`LayerRunner::embed`]'s values rounded to bf16
+    /// (`embed_tokens[ids] · scale_emb` in f32, then the nearest bf16), with no device in
+    /// between, for hidden states kept in host memory. The rows are read
+    /// [`HOST_EMBED_TOKENS`] tokens per task, in parallel.
+    pub fn embed_bf16_into(
+        &self,
+        store: &TensorStore,
+        ids: &[u32],
+        dst: &mut [half::bf16],
+    ) -> Result<()> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidInput("empty token sequence".to_owned()));
+        }
+        let hidden = self.config.hidden_size();
+        if dst.len() != ids.len() * hidden {
+            return Err(ModelError::InvalidInput(format!(
+                "{} bf16 values for the embedding of {} tokens of {hidden}",
+                dst.len(),
+                ids.len()
+            )));
+        }
+        // `mul_scalar` on an f32 tensor multiplies by the scale as an f32.
+        let scale = self.config.embedding_scale() as f32;
+        dst.par_chunks_mut(HOST_EMBED_TOKENS * hidden)
+            .zip(ids.par_chunks(HOST_EMBED_TOKENS))
+            .try_for_each(|(out, ids)| {
+                let rows = store.rows_f32(EMBED_TOKENS, ids)?;
+                check_host_shape(EMBED_TOKENS, &rows, &[ids.len(), hidden])?;
+                for (o, v) in out.iter_mut().zip(&rows.data) {
+                    *o = half::bf16::from_f32(v * scale);
+                }
+                Ok(())
+            })
     }
 
     /// The embedding table of `store` on this runner's device, for

@@ -10,7 +10,7 @@ use common::*;
 use sala_model::ops::norm::rms_norm;
 use sala_model::{
     AttentionMode, CpuFastOps, FastOps, LayerKind, LayerRunner, LayerWeights, ModelError, Numerics,
-    ProfiledOps, RowRun, RunOptions, SalaConfig, TensorStore,
+    ProfiledOps, RowRun, RunOptions, SalaConfig, TensorStore, HOST_EMBED_TOKENS,
 };
 use std::sync::Arc;
 
@@ -477,6 +477,53 @@ fn embedding_on_the_device_equals_the_host_lookup() {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(&format!("token id {}", last + 1)), "{err}");
+        }
+    }
+}
+
+/// The bf16 embedding written on the host is the graph's embedding rounded to bf16, bit for
+/// bit, in every numerics the CPU backend runs, across several parallel tasks; a wrong
+/// destination, no ids and bad ids are errors.
+#[test]
+fn embedding_in_bf16_on_the_host_equals_the_graph_rounded() {
+    use half::bf16;
+    for model in ["tiny-sala", "tiny-llama"] {
+        let (config, store) = open(model);
+        let hidden = config.hidden_size();
+        for numerics in [Numerics::F32, Numerics::Bf16Rounding] {
+            let options = RunOptions {
+                numerics,
+                ..RunOptions::default()
+            };
+            let runner = LayerRunner::<B>::new(config.clone(), Default::default(), options);
+            let last = config.vocab_size() as u32 - 1;
+            let mut tokens = vec![0, last, 1, last];
+            tokens.extend(ids(2 * HOST_EMBED_TOKENS + 77));
+            let want: Vec<bf16> = to_vec(runner.embed(&store, &tokens).unwrap())
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let mut got = vec![bf16::NAN; tokens.len() * hidden];
+            runner.embed_bf16_into(&store, &tokens, &mut got).unwrap();
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{model} {numerics:?}: host embedding differs");
+            let mut short = vec![bf16::ZERO; hidden];
+            let err = runner
+                .embed_bf16_into(&store, &[1, 2], &mut short)
+                .unwrap_err();
+            assert!(err.to_string().contains("2 tokens"), "{err}");
+            assert!(runner.embed_bf16_into(&store, &[], &mut []).is_err());
+            let mut two = vec![bf16::ZERO; 2 * hidden];
+            let err = runner
+                .embed_bf16_into(&store, &[1, last + 1], &mut two)
+                .unwrap_err();
+            assert!(
+                err.to_string().contains(&format!("token id {}", last + 1)),
+                "{err}"
+            );
         }
     }
 }
