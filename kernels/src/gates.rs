@@ -531,19 +531,7 @@ fn rms_norm_kernel<S: Float>(
             acc += v * v;
             c += units;
         }
-        let mut partial = SharedMemory::<f32>::new(units);
-        partial[u] = acc;
-        sync_cube();
-        // `CUBE_DIM` (= `units`) at run time: the halving loop mutates it.
-        let mut stride = CUBE_DIM as usize / 2;
-        while stride > 0 {
-            if u < stride {
-                partial[u] += partial[u + stride];
-            }
-            sync_cube();
-            stride /= 2;
-        }
-        let rms = (partial[0] / f32::cast_from(cols) + eps).sqrt();
+        let rms = (cube_sum(acc) / f32::cast_from(cols) + eps).sqrt();
         let mut c = u;
         while c < cols {
             let normed = round::<S>(f32::cast_from(x[base + c]) / rms);
@@ -606,6 +594,7 @@ fn cube_sum(value: f32) -> f32 {
     let mut partial = SharedMemory::<f32>::new(1024usize);
     partial[u] = value;
     sync_cube();
+    // `CUBE_DIM` at run time: the halving loop mutates it.
     let mut stride = CUBE_DIM as usize / 2;
     while stride > 0 {
         if u < stride {
