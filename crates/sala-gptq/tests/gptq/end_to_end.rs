@@ -521,6 +521,33 @@ fn prefetched_weights_write_the_same_checkpoint() {
     assert!(in_turn.layers.iter().all(|l| l.stages.load > 0.0));
 }
 
+/// Hidden states kept on the device (embedded there from the uploaded table) and kept on the
+/// host (embedded on the host, `WeightSource::embed_host`) write the same checkpoint, byte for
+/// byte.
+#[test]
+fn host_and_device_hidden_states_write_the_same_checkpoint() {
+    use sala_gptq::HiddenLocation;
+    let model = fixtures().join("tiny-sala");
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, device: Option<u64>| {
+        let mut options = QuantizeOptions::new(Recipe::Gptq);
+        options.max_device_memory = device;
+        let out = dir.path().join(name);
+        let report = quantize(&model, options, &out);
+        (out, report)
+    };
+    let (host_dir, host) = run("host", None);
+    let (device_dir, device) = run("device", Some(1 << 30));
+    assert_eq!(host.hidden_states_location, HiddenLocation::Host);
+    assert_eq!(device.hidden_states_location, HiddenLocation::Device);
+    let (a, b) = (
+        host_dir.join("model.safetensors"),
+        device_dir.join("model.safetensors"),
+    );
+    let same = std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap();
+    assert!(same, "{} and {} differ", a.display(), b.display());
+}
+
 /// Fast ops whose Hessian products count as running until `settle_grams` (as CUDA's run on a
 /// stream of their own); every other op but attention is the graph's.
 #[derive(Debug, Default)]
