@@ -50,10 +50,20 @@ pub fn set_place(place: String) {
     }
 }
 
+/// The device budget a run was planned for, as the error names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBudget {
+    /// Bytes (`--max-device-memory`).
+    pub bytes: u64,
+    /// Whether the plan kept the hidden states on the device: if so, a lower budget moves
+    /// them to the host; if not, they are there already.
+    pub hidden_on_device: bool,
+}
+
 /// Runs `job`; a panic inside it (on this thread, or first on a runtime thread) becomes an
-/// error ([`describe`]) with `budget` (bytes) named.
+/// error ([`describe`]) with `budget` named.
 pub fn run_guarded<T>(
-    budget: Option<u64>,
+    budget: Option<DeviceBudget>,
     job: impl FnOnce() -> Result<T, Box<dyn Error>>,
 ) -> Result<T, Box<dyn Error>> {
     match catch_unwind(AssertUnwindSafe(job)) {
@@ -70,14 +80,23 @@ pub fn run_guarded<T>(
     }
 }
 
-/// The error line for a panic `message` at `place` under `budget` bytes.
-pub fn describe(message: &str, place: &str, budget: Option<u64>) -> String {
+/// The error line for a panic `message` at `place` under `budget`.
+pub fn describe(message: &str, place: &str, budget: Option<DeviceBudget>) -> String {
     let place = match place {
         "" => "before the first layer".to_owned(),
         p => format!("in {p}"),
     };
+    // What a lower budget changes: the packs, and the hidden states' place if they were on
+    // the device.
+    let lowers = match budget {
+        Some(DeviceBudget {
+            hidden_on_device: false,
+            ..
+        }) => "smaller packs; the hidden states are on the host already",
+        _ => "smaller packs, hidden states on the host",
+    };
     let budget = budget.map_or("no device budget".to_owned(), |b| {
-        format!("a device budget of {:.0} MB", b as f64 / 1e6)
+        format!("a device budget of {:.0} MB", b.bytes as f64 / 1e6)
     });
     let bytes = message.find(ALLOCATION_FAILED).and_then(|at| {
         let digits: String = message[at + ALLOCATION_FAILED.len()..]
@@ -90,13 +109,12 @@ pub fn describe(message: &str, place: &str, budget: Option<u64>) -> String {
     match (out_of_memory, bytes) {
         (true, Some(bytes)) => format!(
             "the GPU ran out of memory {place}: the runtime could not allocate a buffer of {:.1} \
-             GB, with {budget}; lower --max-device-memory (smaller packs, hidden states on the \
-             host) or --max-len",
+             GB, with {budget}; lower --max-device-memory ({lowers}) or --max-len",
             bytes as f64 / 1e9
         ),
         (true, None) => format!(
             "the GPU ran out of memory {place}, with {budget}; lower --max-device-memory \
-             (smaller packs, hidden states on the host) or --max-len ({message})"
+             ({lowers}) or --max-len ({message})"
         ),
         _ => format!(
             "internal error {place}: {message} (RUST_BACKTRACE=1 prints where it came from)"
@@ -112,12 +130,24 @@ mod tests {
     fn an_allocation_failure_names_the_place_the_size_and_the_option() {
         let message = "called `Result::unwrap()` on an `Err` value: can't allocate buffer of \
                        size: 37527470080";
-        let line = describe(message, "layer 5, capture", Some(76_000_000_000));
+        let budget = DeviceBudget {
+            bytes: 76_000_000_000,
+            hidden_on_device: true,
+        };
+        let line = describe(message, "layer 5, capture", Some(budget));
         assert!(line.contains("in layer 5, capture"), "{line}");
         assert!(line.contains("37.5 GB"), "{line}");
         assert!(line.contains("76000 MB"), "{line}");
         assert!(line.contains("--max-device-memory"), "{line}");
+        assert!(line.contains("hidden states on the host)"), "{line}");
         assert!(!line.contains('\n'));
+        let on_host = DeviceBudget {
+            hidden_on_device: false,
+            ..budget
+        };
+        let line = describe(message, "the embedding, before layer 0", Some(on_host));
+        assert!(line.contains("in the embedding, before layer 0"), "{line}");
+        assert!(line.contains("on the host already"), "{line}");
         let other = describe("index out of bounds", "", None);
         assert!(
             other.starts_with("internal error before the first layer: index out of bounds"),
@@ -129,7 +159,11 @@ mod tests {
     #[test]
     fn a_panic_in_the_job_becomes_an_error() {
         set_place("layer 2, solve".to_owned());
-        let result: Result<(), _> = run_guarded(Some(1_000_000), || {
+        let budget = DeviceBudget {
+            bytes: 1_000_000,
+            hidden_on_device: true,
+        };
+        let result: Result<(), _> = run_guarded(Some(budget), || {
             std::panic::panic_any("can't allocate buffer of size: 2000000000".to_owned())
         });
         let line = result.unwrap_err().to_string();

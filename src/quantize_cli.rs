@@ -468,15 +468,21 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let StagedRun {
         report,
         mut checkpoint,
-    } = crate::panic_boundary::run_guarded(memory.map(|m| m.budget), || {
-        dispatch(
-            args.device,
-            "quantize_sala",
-            gpu_path(&args),
-            (!args.graph_ops).then_some(run_numerics),
-            job,
-        )
-    })?;
+    } = crate::panic_boundary::run_guarded(
+        memory.map(|m| crate::panic_boundary::DeviceBudget {
+            bytes: m.budget,
+            hidden_on_device: m.hidden_on_device,
+        }),
+        || {
+            dispatch(
+                args.device,
+                "quantize_sala",
+                gpu_path(&args),
+                (!args.graph_ops).then_some(run_numerics),
+                job,
+            )
+        },
+    )?;
     let value = serde_json::json!({
         "report": &report,
         "calibration": &stats,
@@ -1020,6 +1026,8 @@ impl Bars {
 
 impl Progress for Bars {
     fn start(&mut self, layers: usize, _samples: usize) {
+        // What runs next, before layer 0's first stage.
+        crate::panic_boundary::set_place("the embedding, before layer 0".to_owned());
         if let Some((_, l, _)) = &self.bars {
             l.set_length(layers as u64);
         }
