@@ -198,14 +198,14 @@ const WORK_ITEM: usize = 4;
 
 /// The work lists of the two launches.
 #[derive(Debug, Clone, PartialEq)]
-struct Segments {
+pub(crate) struct Segments {
     /// Every segment, longest first (the longest cubes start first and do not run alone at the
     /// end of the launch).
-    outputs: Vec<u32>,
+    pub(crate) outputs: Vec<u32>,
     /// The segments whose state a later segment of their sequence reads.
-    states: Vec<u32>,
+    pub(crate) states: Vec<u32>,
     /// State slots (one per item of `states`).
-    slots: usize,
+    pub(crate) slots: usize,
 }
 
 impl Segments {
@@ -280,44 +280,18 @@ pub fn simple_gla_bf16_in_segments<R: Runtime>(
             "no 16×16×16 bf16 cooperative matrices with 32-unit planes on this runtime",
         ));
     }
-    let (tiling, segments) = segmented_tiling(shape, offsets, segment)?;
-    if log_decays.len() != shape.heads {
-        return Err(KernelError::shape(
-            "gla log-decays",
-            format!("{} values for {} heads", log_decays.len(), shape.heads),
-        ));
-    }
-    let powers = decay_powers(log_decays)?;
-    let tokens = offsets[offsets.len() - 1];
-    let len = tokens * shape.heads * shape.head_dim;
-    for (handle, what) in [(q, "gla q"), (k, "gla k"), (v, "gla v"), (out, "gla out")] {
-        let bytes = handle.size_in_used() as usize;
-        if bytes < len * size_of::<bf16>() {
-            return Err(KernelError::shape(
-                what,
-                format!(
-                    "{bytes} bytes for [{tokens}, {}, {}] bf16",
-                    shape.heads, shape.head_dim
-                ),
-            ));
-        }
-    }
+    let bytes = [q, k, v, out].map(|h| h.size_in_used() as usize);
+    let plan = GlaPlan::new(shape, offsets, log_decays, segment, bytes)?;
+    let (tiling, segments) = (plan.tiling, &plan.segments);
     check_cube_resources(client, "gla device", UNITS, tiling.shared_bytes)?;
-    let d = shape.head_dim;
-    let state_values = (segments.slots * shape.heads * d * d).max(1);
-    check_addressable("gla segment states", state_values)?;
+    let (d, len) = (shape.head_dim, plan.len);
     // Each state slot is written whole by the first launch before the second reads it.
-    let states = client.empty(state_values * size_of::<f32>());
-    // γ_h^L per head, from f64 like the chunk's powers.
-    let segment_decays: Vec<f32> = log_decays
-        .iter()
-        .map(|&g| (g * segment as f64).exp() as f32)
-        .collect();
+    let states = client.empty(plan.state_values * size_of::<f32>());
     let tables = [
-        upload_slice(client, &powers),
-        upload_slice(client, &segment_decays),
+        upload_slice(client, &plan.powers),
+        upload_slice(client, &plan.segment_decays),
     ];
-    let table_lens = [powers.len(), segment_decays.len()];
+    let table_lens = [plan.powers.len(), plan.segment_decays.len()];
     let launches = [
         (&segments.states, tiling.state_cubes, false),
         (&segments.outputs, tiling.cubes, true),
@@ -349,6 +323,74 @@ pub fn simple_gla_bf16_in_segments<R: Runtime>(
     }
     flush(client, "gla")?;
     Ok(tiling)
+}
+
+/// What a launch of either implementation needs, checked: the tiling, the work lists and the
+/// decay tables.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GlaPlan {
+    pub(crate) tiling: GlaTiling,
+    pub(crate) segments: Segments,
+    /// `γ_h^n` for `n = 0..=GLA_CHUNK`, `[heads, GLA_CHUNK + 1]`.
+    pub(crate) powers: Vec<f32>,
+    /// `γ_h^L` per head (`L` the segment length), from f64 like the powers.
+    pub(crate) segment_decays: Vec<f32>,
+    /// bf16 elements of each of `q`, `k`, `v` and `out`: `[tokens, heads, head_dim]`.
+    pub(crate) len: usize,
+    /// f32 values of the segment states, `[slots, heads, d, d]` (at least one).
+    pub(crate) state_values: usize,
+}
+
+impl GlaPlan {
+    /// Checks a problem with `segment`-token segments against buffers of `bytes` bytes
+    /// (`q`, `k`, `v`, `out`) and tabulates its decays.
+    pub(crate) fn new(
+        shape: &GlaShape,
+        offsets: &[usize],
+        log_decays: &[f64],
+        segment: usize,
+        bytes: [usize; 4],
+    ) -> Result<Self, KernelError> {
+        let (tiling, segments) = segmented_tiling(shape, offsets, segment)?;
+        if log_decays.len() != shape.heads {
+            return Err(KernelError::shape(
+                "gla log-decays",
+                format!("{} values for {} heads", log_decays.len(), shape.heads),
+            ));
+        }
+        let powers = decay_powers(log_decays)?;
+        let tokens = offsets[offsets.len() - 1];
+        let len = tokens * shape.heads * shape.head_dim;
+        for (bytes, what) in bytes
+            .into_iter()
+            .zip(["gla q", "gla k", "gla v", "gla out"])
+        {
+            if bytes < len * size_of::<bf16>() {
+                return Err(KernelError::shape(
+                    what,
+                    format!(
+                        "{bytes} bytes for [{tokens}, {}, {}] bf16",
+                        shape.heads, shape.head_dim
+                    ),
+                ));
+            }
+        }
+        let d = shape.head_dim;
+        let state_values = (segments.slots * shape.heads * d * d).max(1);
+        check_addressable("gla segment states", state_values)?;
+        let segment_decays = log_decays
+            .iter()
+            .map(|&g| (g * segment as f64).exp() as f32)
+            .collect();
+        Ok(Self {
+            tiling,
+            segments,
+            powers,
+            segment_decays,
+            len,
+            state_values,
+        })
+    }
 }
 
 /// The first `len` bf16 of a buffer (checked to hold them) as 16-byte vectors (`len` is a

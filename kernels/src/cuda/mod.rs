@@ -14,7 +14,9 @@
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
 //!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel;
 //! - [`HopperAttention`]: causal GQA flash attention on Hopper's warpgroup tensor-core
-//!   instructions, CUDA C++ compiled at run time by NVRTC for `sm_90a`.
+//!   instructions, CUDA C++ compiled at run time by NVRTC for `sm_90a`;
+//! - [`MmaGla`]: chunked Simple GLA on `mma.sync` with its fragments in registers, CUDA C++
+//!   compiled at run time by NVRTC.
 //!
 //! CubeCL's CUDA runtime retains the device's *primary* context, and so does
 //! [`cudarc::driver::CudaContext::new`]: both see one address space, so the device pointer of
@@ -30,6 +32,7 @@
 
 mod attention;
 mod blas;
+mod gla_mma;
 mod hopper_attention;
 mod libs;
 mod solver;
@@ -45,6 +48,7 @@ pub use blas::{
     linear_bf16, xtx_bf16, xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas, CublasGemm,
     Fp32Math, LinearShape, XtxRun,
 };
+pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
 pub use solver::{

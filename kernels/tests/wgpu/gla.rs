@@ -9,7 +9,8 @@
 use cubecl::server::Handle;
 use half::bf16;
 use sala_kernels::gla::{
-    simple_gla_bf16, simple_gla_bf16_in_segments, simple_gla_supported, GlaShape, GLA_SEGMENT,
+    simple_gla_bf16, simple_gla_bf16_in_segments, simple_gla_supported, GlaShape, GlaTiling,
+    GLA_SEGMENT,
 };
 use sala_kernels::KernelError;
 
@@ -17,6 +18,32 @@ use crate::attention::offsets_of;
 use crate::common::{client, Rng, TestRuntime};
 
 type Client = cubecl::prelude::ComputeClient<TestRuntime>;
+
+/// The implementation a check runs: `(client, shape, offsets, log_decays, segment,
+/// [q, k, v, out])`, the arguments of [`simple_gla_bf16_in_segments`].
+pub type Kernel<'a> = &'a dyn Fn(
+    &Client,
+    &GlaShape,
+    &[usize],
+    &[f64],
+    usize,
+    [&Handle; 4],
+) -> Result<GlaTiling, KernelError>;
+
+/// The CubeCL kernel, through the entry point a caller uses for the default segments.
+fn cubecl_kernel(
+    client: &Client,
+    shape: &GlaShape,
+    offsets: &[usize],
+    g: &[f64],
+    segment: usize,
+    buffers: [&Handle; 4],
+) -> Result<GlaTiling, KernelError> {
+    match segment {
+        GLA_SEGMENT => simple_gla_bf16(client, shape, offsets, g, buffers),
+        _ => simple_gla_bf16_in_segments(client, shape, offsets, g, segment, buffers),
+    }
+}
 
 /// bf16-rounded random values ~N(0, 1).
 fn random_bf16(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -67,17 +94,19 @@ fn reference(shape: &GlaShape, offsets: &[usize], g: &[f64], [q, k, v]: [&[f32];
 /// Runs the kernel; `out` starts as NaN so that an element it fails to write shows.
 fn run(
     client: &Client,
+    kernel: Kernel<'_>,
     shape: &GlaShape,
     offsets: &[usize],
     g: &[f64],
     qkv: [&[f32]; 3],
 ) -> Result<Vec<f32>, KernelError> {
-    run_in_segments(client, shape, offsets, g, GLA_SEGMENT, qkv)
+    run_in_segments(client, kernel, shape, offsets, g, GLA_SEGMENT, qkv)
 }
 
 /// [`run`] with sequences cut into segments of `segment` tokens.
 fn run_in_segments(
     client: &Client,
+    kernel: Kernel<'_>,
     shape: &GlaShape,
     offsets: &[usize],
     g: &[f64],
@@ -87,10 +116,7 @@ fn run_in_segments(
     let out = upload(client, &vec![f32::NAN; q.len()]);
     let (q, k, v) = (upload(client, q), upload(client, k), upload(client, v));
     let buffers = [&q, &k, &v, &out];
-    match segment {
-        GLA_SEGMENT => simple_gla_bf16(client, shape, offsets, g, buffers)?,
-        _ => simple_gla_bf16_in_segments(client, shape, offsets, g, segment, buffers)?,
-    };
+    kernel(client, shape, offsets, g, segment, buffers)?;
     let bytes = client.read_one(out).map_err(|e| KernelError::Read {
         what: "gla output",
         message: format!("{e:?}"),
@@ -123,20 +149,59 @@ fn shape(heads: usize, head_dim: usize) -> GlaShape {
     }
 }
 
-#[test]
-fn matches_the_recurrence_on_varlen_packs_and_head_dims() {
-    let Some(client) = client() else {
-        return;
-    };
-    let mut rng = Rng::new(61);
+/// The CubeCL kernel's client, or `None` (with the refusal checked and a notice) where the
+/// runtime lacks bf16 cooperative matrices.
+fn cubecl_client() -> Option<Client> {
+    let client = client()?;
     if !simple_gla_supported(&client) {
         let s = shape(2, 64);
-        let x = random_bf16(&mut rng, 4 * 2 * 64);
-        let refused = run(&client, &s, &[0, 4], &log_decays(2), [&x, &x, &x]);
+        let x = random_bf16(&mut Rng::new(60), 4 * 2 * 64);
+        let refused = run(
+            &client,
+            &cubecl_kernel,
+            &s,
+            &[0, 4],
+            &log_decays(2),
+            [&x, &x, &x],
+        );
         assert!(matches!(refused, Err(KernelError::Unsupported { .. })));
         eprintln!("NOTICE: simple GLA not tested: no bf16 cooperative matrices here");
-        return;
+        return None;
     }
+    Some(client)
+}
+
+#[test]
+fn matches_the_recurrence_on_varlen_packs_and_head_dims() {
+    if let Some(client) = cubecl_client() {
+        check_varlen_packs(&client, &cubecl_kernel);
+    }
+}
+
+#[test]
+fn a_pack_equals_each_sequence_alone_and_long_states_stay_exact() {
+    if let Some(client) = cubecl_client() {
+        check_packed_equals_alone(&client, &cubecl_kernel);
+    }
+}
+
+#[test]
+fn refuses_growing_decays_and_short_buffers() {
+    if let Some(client) = client() {
+        check_refusals(&client, &cubecl_kernel);
+    }
+}
+
+#[test]
+fn segments_carry_the_state_across_their_boundaries() {
+    if let Some(client) = cubecl_client() {
+        check_segments(&client, &cubecl_kernel);
+    }
+}
+
+/// Varlen packs against the recurrence, both head dimensions.
+pub fn check_varlen_packs(client: &Client, kernel: Kernel<'_>) {
+    let mut rng = Rng::new(61);
     // Lengths ending inside a chunk (64), exactly at one, and spanning several.
     let packs: [&[usize]; 4] = [&[1, 37, 130, 64], &[200], &[64, 128], &[1]];
     for (heads, d) in [(4, 64), (3, 128)] {
@@ -150,7 +215,7 @@ fn matches_the_recurrence_on_varlen_packs_and_head_dims() {
                 random_bf16(&mut rng, n),
             );
             let g = log_decays(heads);
-            let got = run(&client, &s, &offsets, &g, [&q, &k, &v]).unwrap();
+            let got = run(client, kernel, &s, &offsets, &g, [&q, &k, &v]).unwrap();
             let want = reference(&s, &offsets, &g, [&q, &k, &v]);
             assert_close(
                 &got,
@@ -161,14 +226,8 @@ fn matches_the_recurrence_on_varlen_packs_and_head_dims() {
     }
 }
 
-#[test]
-fn a_pack_equals_each_sequence_alone_and_long_states_stay_exact() {
-    let Some(client) = client() else {
-        return;
-    };
-    if !simple_gla_supported(&client) {
-        return;
-    }
+/// A long pack against the recurrence, and each of its sequences alone bit for bit.
+pub fn check_packed_equals_alone(client: &Client, kernel: Kernel<'_>) {
     let mut rng = Rng::new(62);
     let (heads, d) = (2, 128);
     let s = shape(heads, d);
@@ -182,7 +241,7 @@ fn a_pack_equals_each_sequence_alone_and_long_states_stay_exact() {
         random_bf16(&mut rng, n),
         random_bf16(&mut rng, n),
     );
-    let packed = run(&client, &s, &offsets, &g, [&q, &k, &v]).unwrap();
+    let packed = run(client, kernel, &s, &offsets, &g, [&q, &k, &v]).unwrap();
     assert_close(
         &packed,
         &reference(&s, &offsets, &g, [&q, &k, &v]),
@@ -191,7 +250,8 @@ fn a_pack_equals_each_sequence_alone_and_long_states_stay_exact() {
     for w in offsets.windows(2) {
         let rows = w[0] * heads * d..w[1] * heads * d;
         let alone = run(
-            &client,
+            client,
+            kernel,
             &s,
             &[0, w[1] - w[0]],
             &g,
@@ -209,28 +269,19 @@ fn a_pack_equals_each_sequence_alone_and_long_states_stay_exact() {
     }
 }
 
-#[test]
-fn refuses_growing_decays_and_short_buffers() {
-    let Some(client) = client() else {
-        return;
-    };
+/// Growing decays and short buffers are refused.
+pub fn check_refusals(client: &Client, kernel: Kernel<'_>) {
     let mut rng = Rng::new(63);
     let s = shape(2, 64);
     let x = random_bf16(&mut rng, 8 * 2 * 64);
-    let growing = run(&client, &s, &[0, 8], &[-0.1, 0.2], [&x, &x, &x]);
+    let growing = run(client, kernel, &s, &[0, 8], &[-0.1, 0.2], [&x, &x, &x]);
     assert!(growing.is_err());
-    let short = run(&client, &s, &[0, 9], &[-0.1, -0.2], [&x, &x, &x]);
+    let short = run(client, kernel, &s, &[0, 9], &[-0.1, -0.2], [&x, &x, &x]);
     assert!(short.is_err());
 }
 
-#[test]
-fn segments_carry_the_state_across_their_boundaries() {
-    let Some(client) = client() else {
-        return;
-    };
-    if !simple_gla_supported(&client) {
-        return;
-    }
+/// Short segments (states across several boundaries) and the default ones.
+pub fn check_segments(client: &Client, kernel: Kernel<'_>) {
     let mut rng = Rng::new(64);
     let inputs = |rng: &mut Rng, n: usize| {
         [
@@ -247,7 +298,7 @@ fn segments_carry_the_state_across_their_boundaries() {
         let offsets = offsets_of(&lengths);
         let [q, k, v] = inputs(&mut rng, offsets.last().unwrap() * heads * d);
         let g = log_decays(heads);
-        let got = run_in_segments(&client, &s, &offsets, &g, 128, [&q, &k, &v]).unwrap();
+        let got = run_in_segments(client, kernel, &s, &offsets, &g, 128, [&q, &k, &v]).unwrap();
         let want = reference(&s, &offsets, &g, [&q, &k, &v]);
         assert_close(
             &got,
@@ -261,7 +312,7 @@ fn segments_carry_the_state_across_their_boundaries() {
     let offsets = offsets_of(&[GLA_SEGMENT + 200, 70]);
     let [q, k, v] = inputs(&mut rng, offsets.last().unwrap() * heads * d);
     let g = vec![-0.0039, 0.0];
-    let got = run(&client, &s, &offsets, &g, [&q, &k, &v]).unwrap();
+    let got = run(client, kernel, &s, &offsets, &g, [&q, &k, &v]).unwrap();
     let want = reference(&s, &offsets, &g, [&q, &k, &v]);
     assert_close(&got, &want, "default segments");
 }

@@ -15,6 +15,8 @@ mod flip;
 mod gates;
 mod gemm;
 mod gla;
+#[cfg(feature = "cuda")]
+mod gla_mma;
 mod gptq;
 mod hessian;
 mod hessian_ops;
