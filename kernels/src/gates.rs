@@ -5,6 +5,7 @@
 //! - [`swiglu`]: `out = S(S(g · S(σ(g))) · u)` — SiLU of the gate times the up projection;
 //! - [`sigmoid_gate`]: `out = S(x · S(σ(g)))` — an output gated by the sigmoid of a projection;
 //! - [`rms_norm`]: `out = S(S(x / √(mean(x²) + ε)) · w)` per row;
+//! - [`rms_norm_gate`]: that norm then [`sigmoid_gate`], in one pass;
 //! - [`scaled_residual`]: `out = S(h + S(m · scale))` — a residual add of a scaled branch;
 //! - [`rms_norm_rope`]: the per-head RMSNorm of [`rms_norm`], then the rotary embedding
 //!   (NeoX rotate-half) `S(y·cos + rotate_half(y)·sin)` at each token's position.
@@ -277,10 +278,48 @@ pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
     cols: usize,
     eps: f32,
 ) -> Result<(), KernelError> {
-    let len = rows.checked_mul(cols).ok_or_else(|| {
-        KernelError::unsupported("rms norm", format!("{rows} × {cols} overflows"))
-    })?;
-    check_buffers::<S>("rms norm", len, [x, out, out])?;
+    norm_launch::<R, S>(client, [x, weight, out], None, rows, cols, eps)
+}
+
+/// [`rms_norm`] then [`sigmoid_gate`] in one pass: `out = S(n · S(σ(g)))` with `n` the
+/// RMSNorm of `x`'s row (rounded to `S` as [`rms_norm`] writes it) and `g` the element of
+/// `gate` `[rows, cols]` (the lightning layers' `o_norm` times `sigmoid(z_proj)`). Buffers as
+/// in [`rms_norm`]; `out` must not alias `x` or `gate`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_gate<R: Runtime, S: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    weight: &Handle,
+    gate: &Handle,
+    out: &Handle,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<(), KernelError> {
+    norm_launch::<R, S>(client, [x, weight, out], Some(gate), rows, cols, eps)
+}
+
+/// The launch behind [`rms_norm`] and, with a `gate`, [`rms_norm_gate`].
+fn norm_launch<R: Runtime, S: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    [x, weight, out]: [&Handle; 3],
+    gate: Option<&Handle>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<(), KernelError> {
+    let what = if gate.is_some() {
+        "rms norm gate"
+    } else {
+        "rms norm"
+    };
+    let len = rows
+        .checked_mul(cols)
+        .ok_or_else(|| KernelError::unsupported(what, format!("{rows} × {cols} overflows")))?;
+    // Without a gate the kernels take `x` in its place and never read it as one.
+    let gated = gate.is_some();
+    let gate = gate.unwrap_or(x);
+    check_buffers::<S>(what, len, [x, gate, out])?;
     check_buffers::<S>("rms norm weight", cols, [weight, weight, weight])?;
     if !eps.is_finite() || eps < 0.0 {
         return Err(KernelError::unsupported("rms norm eps", format!("{eps}")));
@@ -292,7 +331,10 @@ pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
     let units = 1 << units.ilog2();
     let count = crate::launch::cube_count(client, rows)?;
     let row_vectors = cols / VECTOR;
-    if cols % VECTOR == 0 && vector_count::<S>(len, [x, weight, out]).is_some() {
+    if cols % VECTOR == 0
+        && vector_count::<S>(len, [x, weight, out]).is_some()
+        && vector_count::<S>(len, [gate, gate, gate]).is_some()
+    {
         // Fewer units than vectors in a row, so that each unit keeps two or more 16-byte
         // loads in flight.
         let units = units.min((row_vectors / 2).max(1).next_power_of_two());
@@ -306,14 +348,16 @@ pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
                 CubeDim::new_1d(units as u32),
                 vectors_of::<R>(x, rows * row_vectors),
                 vectors_of::<R>(weight, row_vectors),
+                vectors_of::<R>(gate, rows * row_vectors),
                 vectors_of::<R>(out, rows * row_vectors),
                 rows,
                 row_vectors,
                 cols,
                 eps,
+                gated,
             )
         };
-        return flush(client, "rms norm");
+        return flush(client, what);
     }
     rms_norm_kernel::launch::<S, R>(
         client,
@@ -321,13 +365,15 @@ pub fn rms_norm<R: Runtime, S: Float + CubeElement>(
         CubeDim::new_1d(units as u32),
         typed::<R>(x, len),
         typed::<R>(weight, cols),
+        typed::<R>(gate, len),
         typed::<R>(out, len),
         rows,
         cols,
         eps,
         units,
+        gated,
     );
-    flush(client, "rms norm")
+    flush(client, what)
 }
 
 /// `out[i] = S(h[i] + S(m[i] · scale))` for `i < len`: a residual add of a scaled branch
@@ -507,18 +553,32 @@ pub fn rms_norm_rope<R: Runtime, S: Float + CubeElement>(
     flush(client, "rms norm rope")
 }
 
+/// One normed element `S(S(x / rms) · w)`, gated by `g` (`S(n · S(σ(g)))`) when `gated`.
+#[cube]
+fn normed_element<S: Float>(x: S, rms: f32, w: S, g: S, #[comptime] gated: bool) -> S {
+    let normed = round::<S>(f32::cast_from(x) / rms);
+    let n = S::cast_from(normed * f32::cast_from(w));
+    if gated {
+        sigmoid_gate_element::<S>(n, g)
+    } else {
+        n
+    }
+}
+
 /// One cube of `units` units per row: the sum of squares strided over the units, a tree sum
-/// in shared memory, then each unit writes its columns.
+/// in shared memory, then each unit writes its columns (gated by `gate` when `gated`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_kernel<S: Float>(
     x: &Array<S>,
     weight: &Array<S>,
+    gate: &Array<S>,
     out: &mut Array<S>,
     rows: usize,
     cols: usize,
     eps: f32,
     #[comptime] units: usize,
+    #[comptime] gated: bool,
 ) {
     let row = CUBE_POS;
     if row < rows {
@@ -534,8 +594,8 @@ fn rms_norm_kernel<S: Float>(
         let rms = (cube_sum(acc) / f32::cast_from(cols) + eps).sqrt();
         let mut c = u;
         while c < cols {
-            let normed = round::<S>(f32::cast_from(x[base + c]) / rms);
-            out[base + c] = S::cast_from(normed * f32::cast_from(weight[c]));
+            let at = base + c;
+            out[at] = normed_element::<S>(x[at], rms, weight[c], gate[at], gated);
             c += units;
         }
     }
@@ -548,11 +608,13 @@ fn rms_norm_kernel<S: Float>(
 fn rms_norm_v8_kernel<S: Float>(
     x: &Array<Vec8<S>>,
     weight: &Array<Vec8<S>>,
+    gate: &Array<Vec8<S>>,
     out: &mut Array<Vec8<S>>,
     rows: usize,
     row_vectors: usize,
     cols: usize,
     eps: f32,
+    #[comptime] gated: bool,
 ) {
     let row = CUBE_POS;
     if row < rows {
@@ -574,11 +636,12 @@ fn rms_norm_v8_kernel<S: Float>(
         let mut c = u;
         while c < row_vectors {
             let (v, w) = (x[base + c], weight[c]);
+            // Without a gate, `gate` is `x` and this load is never used.
+            let g = if gated { gate[base + c] } else { v };
             let mut o = Vec8::<S>::empty();
             #[unroll]
             for e in 0..VECTOR {
-                let normed = round::<S>(f32::cast_from(v[e]) / rms);
-                o[e] = S::cast_from(normed * f32::cast_from(w[e]));
+                o[e] = normed_element::<S>(v[e], rms, w[e], g[e], gated);
             }
             out[base + c] = o;
             c += units;

@@ -7,7 +7,7 @@ use cubecl::prelude::CubeElement;
 use cubecl::server::Handle;
 use half::{bf16, f16};
 use sala_kernels::gates::{
-    rms_norm, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu, NormRopeShape,
+    rms_norm, rms_norm_gate, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu, NormRopeShape,
 };
 
 use crate::common::{client, Rng, TestRuntime};
@@ -163,6 +163,40 @@ fn host_norm(x: &[f32], w: &[f32], eps: f32, round: fn(f32) -> f32) -> Vec<f32> 
         .collect()
 }
 
+/// The graph's chain `round(n · round(σ(g)))` over normed values `n` and gates `g`.
+fn host_gate(n: &[f32], g: &[f32], round: fn(f32) -> f32) -> Vec<f32> {
+    n.iter()
+        .zip(g)
+        .map(|(n, g)| round(n * round(sigmoid(*g))))
+        .collect()
+}
+
+/// `rms_norm_gate` of `x` `[rows, cols]` with `w` and `gate`, read back as f32.
+#[allow(clippy::too_many_arguments)]
+fn run_norm_gate<S: cubecl::prelude::Float + CubeElement>(
+    client: &Client,
+    x: &[S],
+    w: &[S],
+    gate: &[S],
+    rows: usize,
+    cols: usize,
+    to_f32: fn(&S) -> f32,
+) -> Vec<f32> {
+    let out = client.empty(rows * cols * size_of::<S>());
+    rms_norm_gate::<TestRuntime, S>(
+        client,
+        &upload(client, x),
+        &upload(client, w),
+        &upload(client, gate),
+        &out,
+        rows,
+        cols,
+        1e-6,
+    )
+    .unwrap();
+    download::<S>(client, out).iter().map(to_f32).collect()
+}
+
 #[test]
 fn f32_norm_and_residual_match_the_host_formulas() {
     let Some(client) = client() else {
@@ -190,6 +224,10 @@ fn f32_norm_and_residual_match_the_host_formulas() {
             .collect();
         let err = max_rel(&download::<f32>(&client, out), &want);
         assert!(err < 1e-5, "rms norm {rows}×{cols}: {err:e}");
+        let gate = inputs(&mut rng, rows * cols);
+        let got = run_norm_gate(&client, &x, &w, &gate, rows, cols, |v| *v);
+        let err = max_rel(&got, &host_gate(&want, &gate, |v| v));
+        assert!(err < 1e-5, "rms norm gate {rows}×{cols}: {err:e}");
     }
     let n = 10_007;
     let (h, m) = (inputs(&mut rng, n), inputs(&mut rng, n));
@@ -257,6 +295,19 @@ fn bf16_norm_and_residual_round_where_the_graph_rounds() {
         assert!(
             same * 100 > 99 * got.len(),
             "rms norm {rows}×{cols}: {same} of {} equal",
+            got.len()
+        );
+        // Gated: a flipped norm then one more rounding, of the product by the gate.
+        let gate = to_bf16(inputs(&mut rng, rows * cols));
+        let gf: Vec<f32> = gate.iter().map(|v| v.to_f32()).collect();
+        let got = run_norm_gate(&client, &x, &w, &gate, rows, cols, |v| v.to_f32());
+        let want = host_gate(&want, &gf, round_bf16);
+        let err = max_rel(&got, &want);
+        assert!(err <= 2f32.powi(-6), "rms norm gate {rows}×{cols}: {err:e}");
+        let same = got.iter().zip(&want).filter(|(g, w)| g == w).count();
+        assert!(
+            same * 100 > 99 * got.len(),
+            "rms norm gate {rows}×{cols}: {same} of {} equal",
             got.len()
         );
     }
@@ -545,6 +596,11 @@ fn f16_vector_norms_round_where_the_graph_rounds() {
         // f16 keeps 11 significant bits: a flip of `x / rms` is 2⁻¹⁰ relative.
         let err = max_rel(&got, &want);
         assert!(err < 2e-3, "f16 rms norm {rows}×{cols}: {err:e}");
+        let gate = to_f16(&inputs(&mut rng, rows * cols));
+        let gf: Vec<f32> = gate.iter().map(|v| v.to_f32()).collect();
+        let got = run_norm_gate(&client, &x, &w, &gate, rows, cols, |v| v.to_f32());
+        let err = max_rel(&got, &host_gate(&want, &gf, round_f16));
+        assert!(err < 3e-3, "f16 rms norm gate {rows}×{cols}: {err:e}");
     }
     for (lengths, heads, d) in [(&[21usize, 6][..], 5, 128), (&[11][..], 3, 64)] {
         let case = NormRopeCase::new(&mut rng, lengths, heads, d);
