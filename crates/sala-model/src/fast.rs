@@ -64,6 +64,21 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// [`FastOps::rms_norm`] of `x` `[rows, n]` then [`FastOps::sigmoid_gate`] by `gate`
+    /// `[rows, n]`, in one pass: `round(n · round(sigmoid(gate)))` with `n` the rounded
+    /// RMSNorm (the lightning layers' `o_norm` times `sigmoid(z_proj)`); `Ok(None)` as
+    /// [`FastOps::swiglu`].
+    fn rms_norm_gate(
+        &self,
+        x: &Tensor<B, 2>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+        gate: &Tensor<B, 2>,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (x, weight, eps, gate);
+        Ok(None)
+    }
+
     /// `round(hidden + round(f32(branch) · scale))` for tensors of one shape (storage dtype):
     /// the residual add of a scaled branch; `Ok(None)` as [`FastOps::swiglu`].
     fn scaled_residual(
@@ -324,7 +339,8 @@ mod cube {
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
     };
     use sala_kernels::gates::{
-        rms_norm, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu, NormRopeShape,
+        rms_norm, rms_norm_gate, rms_norm_rope, scaled_residual, sigmoid_gate, swiglu,
+        NormRopeShape,
     };
     use sala_kernels::gla::{simple_gla_bf16, simple_gla_supported, GlaShape, GLA_HEAD_DIMS};
 
@@ -459,6 +475,61 @@ mod cube {
         let out = CubeTensor::new_contiguous(
             a.client.clone(),
             a.device.clone(),
+            [rows, cols].into(),
+            out,
+            DType::BF16,
+        );
+        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+    }
+
+    /// The bf16 RMSNorm of `x`'s rows, gated by `gate` (one shape with `x`) when given;
+    /// `None` unless every tensor is bf16.
+    fn bf16_norm<F: FloatElement, I: IntElement, BT: BoolElement>(
+        x: &CudaTensor<F, I, BT, 2>,
+        weight: &CudaTensor<F, I, BT, 1>,
+        eps: f64,
+        gate: Option<&CudaTensor<F, I, BT, 2>>,
+    ) -> Result<Option<CudaTensor<F, I, BT, 2>>> {
+        let op = if gate.is_some() {
+            "rms norm gate"
+        } else {
+            "rms norm"
+        };
+        if x.dtype() != DType::BF16
+            || weight.dtype() != DType::BF16
+            || gate.is_some_and(|g| g.dtype() != DType::BF16)
+        {
+            return Ok(None);
+        }
+        let ([rows, cols], [n]) = (x.dims(), weight.dims());
+        if n != cols || gate.is_some_and(|g| g.dims() != [rows, cols]) {
+            return Err(ModelError::InvalidInput(format!(
+                "{op} of [{rows}, {cols}] rows with a [{n}] weight and a gate of {:?}",
+                gate.map(|g| g.dims())
+            )));
+        }
+        let (x, weight) = (primitive(x.clone()), primitive(weight.clone()));
+        let out = x.client.empty(rows * cols * 2);
+        let (client, eps) = (&x.client, eps as f32);
+        match gate.map(|g| primitive(g.clone())) {
+            Some(g) => rms_norm_gate::<R, half::bf16>(
+                client,
+                &x.handle,
+                &weight.handle,
+                &g.handle,
+                &out,
+                rows,
+                cols,
+                eps,
+            ),
+            None => {
+                rms_norm::<R, half::bf16>(client, &x.handle, &weight.handle, &out, rows, cols, eps)
+            }
+        }
+        .map_err(kernel_error(op))?;
+        let out = CubeTensor::new_contiguous(
+            x.client.clone(),
+            x.device.clone(),
             [rows, cols].into(),
             out,
             DType::BF16,
@@ -678,35 +749,17 @@ mod cube {
             weight: &Tensor<CubeBackend<R, F, I, BT>, 1>,
             eps: f64,
         ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
-            if x.dtype() != DType::BF16 || weight.dtype() != DType::BF16 {
-                return Ok(None);
-            }
-            let ([rows, cols], [n]) = (x.dims(), weight.dims());
-            if n != cols {
-                return Err(ModelError::InvalidInput(format!(
-                    "rms norm of [{rows}, {cols}] rows with a [{n}] weight"
-                )));
-            }
-            let (x, weight) = (primitive(x.clone()), primitive(weight.clone()));
-            let out = x.client.empty(rows * cols * 2);
-            rms_norm::<R, half::bf16>(
-                &x.client,
-                &x.handle,
-                &weight.handle,
-                &out,
-                rows,
-                cols,
-                eps as f32,
-            )
-            .map_err(kernel_error("rms norm"))?;
-            let out = CubeTensor::new_contiguous(
-                x.client.clone(),
-                x.device.clone(),
-                [rows, cols].into(),
-                out,
-                DType::BF16,
-            );
-            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+            bf16_norm(x, weight, eps, None)
+        }
+
+        fn rms_norm_gate(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            weight: &Tensor<CubeBackend<R, F, I, BT>, 1>,
+            eps: f64,
+            gate: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            bf16_norm(x, weight, eps, Some(gate))
         }
 
         fn scaled_residual(

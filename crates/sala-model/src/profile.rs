@@ -177,6 +177,18 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         })
     }
 
+    fn rms_norm_gate(
+        &self,
+        x: &Tensor<B, 2>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+        gate: &Tensor<B, 2>,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        self.timed("rms_norm_gate", &x.device(), is_some, || {
+            self.inner.rms_norm_gate(x, weight, eps, gate)
+        })
+    }
+
     fn scaled_residual(
         &self,
         hidden: &Tensor<B, 2>,

@@ -464,6 +464,23 @@ impl<B: Backend> LayerRunner<B> {
         Ok(rms_norm(x, weight, eps, self.options.numerics))
     }
 
+    /// RMSNorm of each row, then gated by `sigmoid(gate)`: the [`FastOps`] fused kernel where
+    /// it has one, else [`Self::norm`] then [`Self::sigmoid_gate`].
+    fn norm_gate(
+        &self,
+        x: Tensor<B, 2>,
+        weight: Tensor<B, 1>,
+        gate: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            let eps = self.config.rms_norm_eps();
+            if let Some(gated) = fast.rms_norm_gate(&x, &weight, eps, &gate)? {
+                return Ok(gated);
+            }
+        }
+        self.sigmoid_gate(self.norm(x, weight)?, gate)
+    }
+
     /// `round(hidden + round(f32(branch) · residual_scale))`: the [`FastOps`] fused kernel
     /// where it has one.
     fn residual(&self, hidden: Tensor<B, 2>, branch: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
@@ -802,9 +819,8 @@ impl<B: Backend> LayerRunner<B> {
         let (heads, d) = (dims.heads, dims.head_dim);
         let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
         let out = self.gla(q, k, v, lengths, 1.0 / (d as f64).sqrt())?;
-        let out = self.norm(out, w.tensor("self_attn.o_norm", [heads * d])?)?;
         let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
-        let gated = self.sigmoid_gate(out, gate)?;
+        let gated = self.norm_gate(out, w.tensor("self_attn.o_norm", [heads * d])?, gate)?;
         apply("self_attn.o_proj", gated, [hidden, heads * d])
     }
 
