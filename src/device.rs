@@ -356,7 +356,7 @@ type CudaSolver = sala_kernels::DeviceSolver<
 fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     use sala_gptq::model::CudaFastOps;
     use sala_kernels::cuda::Cublas;
-    use sala_kernels::cuda::HopperAttention;
+    use sala_kernels::cuda::{HopperAttention, MmaGla};
     use std::io::Write;
     let ops = match Cublas::new(0) {
         Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas)),
@@ -368,7 +368,7 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     // Hopper's own attention kernel where the device is one (compute capability 9.0); any
     // other device keeps the CubeCL flash kernel, silently: that is the portable path, not a
     // fault.
-    match HopperAttention::new(0) {
+    let ops = match HopperAttention::new(0) {
         Ok(hopper) => ops.with_hopper_attention(Arc::new(hopper)),
         Err(sala_kernels::KernelError::Unsupported { .. }) => ops,
         Err(e) => {
@@ -376,6 +376,16 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
                 std::io::stderr(),
                 "warning: attention on the CubeCL flash kernel: {e}"
             );
+            ops
+        }
+    };
+    // The GLA on mma.sync from compute capability 8.0; older devices keep the CubeCL kernel
+    // (which needs the same tensor cores), silently.
+    match MmaGla::new(0) {
+        Ok(gla) => ops.with_mma_gla(Arc::new(gla)),
+        Err(sala_kernels::KernelError::Unsupported { .. }) => ops,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "warning: GLA on the CubeCL kernel: {e}");
             ops
         }
     }

@@ -333,7 +333,7 @@ mod cube {
     use sala_kernels::channel_stats::{channel_sums, ChannelBlocks};
     use sala_kernels::cuda::{
         blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
-        DriverTransfer, HopperAttention, LinearShape, XtxRun, XtxStream,
+        DriverTransfer, HopperAttention, LinearShape, MmaGla, XtxRun, XtxStream,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -365,6 +365,7 @@ mod cube {
     pub struct CudaFastOps {
         blas: Option<Arc<Cublas>>,
         hopper: Option<Arc<HopperAttention>>,
+        gla: Option<Arc<MmaGla>>,
         transfer: Option<Arc<DriverTransfer>>,
         hessians: Option<Arc<XtxStream>>,
     }
@@ -388,6 +389,15 @@ mod cube {
         pub fn with_hopper_attention(self, hopper: Arc<HopperAttention>) -> Self {
             Self {
                 hopper: Some(hopper),
+                ..self
+            }
+        }
+
+        /// The same, with bf16 Simple GLA on the `mma.sync` kernel with register-resident
+        /// fragments ([`MmaGla`]) instead of the CubeCL one (cooperative matrices).
+        pub fn with_mma_gla(self, gla: Arc<MmaGla>) -> Self {
+            Self {
+                gla: Some(gla),
                 ..self
             }
         }
@@ -560,7 +570,11 @@ mod cube {
                 (Some(_), None) => "linears and Hessians on cuBLAS",
                 (None, _) => "linears on burn's matmul",
             };
-            format!("{attention}, {linears}")
+            let gla = match self.gla {
+                Some(_) => "GLA on mma.sync (MmaGla)",
+                None => "GLA on CubeCL's cooperative matrices",
+            };
+            format!("{attention}, {gla}, {linears}")
         }
 
         fn upload_host(
@@ -910,22 +924,24 @@ mod cube {
                 primitive(k.clone()),
                 primitive(v.clone()),
             );
-            if !simple_gla_supported(&q.client) {
-                return Ok(None);
-            }
-            let out = q.client.empty(tokens * heads * head_dim * 2);
             let shape = GlaShape {
                 heads,
                 head_dim,
                 scale,
             };
-            simple_gla_bf16(
-                &q.client,
-                &shape,
-                &sequence_offsets(lengths),
-                log_decays,
+            let mma = self.gla.as_ref().filter(|_| MmaGla::supports(&shape));
+            if mma.is_none() && !simple_gla_supported(&q.client) {
+                return Ok(None);
+            }
+            let out = q.client.empty(tokens * heads * head_dim * 2);
+            let (offsets, buffers) = (
+                sequence_offsets(lengths),
                 [&q.handle, &k.handle, &v.handle, &out],
-            )
+            );
+            match mma {
+                Some(gla) => gla.run(&q.client, &shape, &offsets, log_decays, buffers),
+                None => simple_gla_bf16(&q.client, &shape, &offsets, log_decays, buffers),
+            }
             .map_err(kernel_error("simple gla"))?;
             let out = CubeTensor::new_contiguous(
                 q.client.clone(),
