@@ -17,11 +17,13 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::CompileOptions;
 
-use super::{driver_error, guarded, handle_ptr, libs, sync_client, LibStream};
+use super::{
+    compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
+    sync_client, LibStream,
+};
 use crate::error::KernelError;
 use crate::gla::{GlaPlan, GlaShape, GlaTiling, GLA_CHUNK, GLA_HEAD_DIMS, GLA_SEGMENT};
 
@@ -90,42 +92,16 @@ impl MmaGla {
                 ));
             }
             let needed = GLA_HEAD_DIMS.iter().map(|&d| shared_bytes(d)).max();
-            let needed = needed.unwrap_or(0);
-            let optin = ctx
-                .attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )
-                .map_err(|e| driver_error("shared memory per block", e))?;
-            if (optin as i64) < needed as i64 {
-                return Err(KernelError::unsupported(
-                    "mma GLA device",
-                    format!("{optin} bytes of shared memory per block ({needed} needed)"),
-                ));
-            }
+            require_shared_optin(ctx, "mma GLA device", needed.unwrap_or(0))?;
             let options = CompileOptions {
                 arch: Some("compute_80"),
                 options: vec!["-std=c++17".into()],
                 name: Some("gla_mma.cu".into()),
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(SOURCE, options).map_err(|e| KernelError::Launch {
-                what: "mma GLA (NVRTC compile)",
-                message: e.to_string(),
-            })?;
-            let module = ctx
-                .load_module(ptx)
-                .map_err(|e| driver_error("mma GLA (module load)", e))?;
-            let function = |name: &str, d: usize| {
-                let f = module
-                    .load_function(name)
-                    .map_err(|e| driver_error("mma GLA (function)", e))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared_bytes(d) as i32,
-                )
-                .map_err(|e| driver_error("mma GLA (shared memory)", e))?;
-                Ok::<_, KernelError>(f)
-            };
+            let (module, _) = compile_module(ctx, SOURCE, options, "mma GLA")?;
+            let function =
+                |name: &str, d: usize| load_function(&module, name, shared_bytes(d), "mma GLA");
             let entries = GLA_HEAD_DIMS
                 .iter()
                 .map(|&d| {

@@ -21,11 +21,14 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::CompileOptions;
 
-use super::{driver_error, guarded, handle_ptr, libs, sync_client, LibStream};
+use super::{
+    compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
+    sync_client, LibStream,
+};
 use crate::attention::{check_inputs, AttentionShape};
 use crate::error::KernelError;
 use crate::flash_attention::work_list;
@@ -88,17 +91,7 @@ impl HopperAttention {
                     ),
                 ));
             }
-            let optin = ctx
-                .attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )
-                .map_err(|e| driver_error("shared memory per block", e))?;
-            if (optin as i64) < SHARED_BYTES as i64 {
-                return Err(KernelError::unsupported(
-                    "Hopper attention device",
-                    format!("{optin} bytes of shared memory per block ({SHARED_BYTES} needed)"),
-                ));
-            }
+            require_shared_optin(ctx, "Hopper attention device", SHARED_BYTES)?;
             let options = CompileOptions {
                 arch: Some("sm_90a"),
                 options: vec!["-std=c++17".into()],
@@ -106,23 +99,8 @@ impl HopperAttention {
                 name: Some("flash_attention_sm90.cu".into()),
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(SOURCE, options).map_err(|e| KernelError::Launch {
-                what: "Hopper attention (NVRTC compile)",
-                message: e.to_string(),
-            })?;
-            let ptx_text = ptx.to_src();
-            let module = ctx
-                .load_module(ptx)
-                .map_err(|e| driver_error("Hopper attention (module load)", e))?;
-            let function = module
-                .load_function(ENTRY)
-                .map_err(|e| driver_error("Hopper attention (function)", e))?;
-            function
-                .set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    SHARED_BYTES as i32,
-                )
-                .map_err(|e| driver_error("Hopper attention (shared memory)", e))?;
+            let (module, ptx_text) = compile_module(ctx, SOURCE, options, "Hopper attention")?;
+            let function = load_function(&module, ENTRY, SHARED_BYTES, "Hopper attention")?;
             Ok(Self {
                 lib,
                 function,

@@ -236,6 +236,64 @@ fn driver_error(what: &'static str, e: cudarc::driver::DriverError) -> KernelErr
     }
 }
 
+/// Errors unless a block on `ctx`'s device may have `bytes` of dynamic shared memory (the
+/// opt-in limit); `what` names the kernel's device in the error.
+pub(crate) fn require_shared_optin(
+    ctx: &CudaContext,
+    what: &'static str,
+    bytes: u32,
+) -> Result<(), KernelError> {
+    let optin = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )
+        .map_err(|e| driver_error("shared memory per block", e))?;
+    if (optin as i64) < bytes as i64 {
+        return Err(KernelError::unsupported(
+            what,
+            format!("{optin} bytes of shared memory per block ({bytes} needed)"),
+        ));
+    }
+    Ok(())
+}
+
+/// CUDA C++ `source` compiled by NVRTC with `options` and loaded on `ctx`, with the PTX text;
+/// `what` names the kernel in the errors (the compile log in the message).
+pub(crate) fn compile_module(
+    ctx: &Arc<CudaContext>,
+    source: &str,
+    options: cudarc::nvrtc::CompileOptions,
+    what: &'static str,
+) -> Result<(Arc<cudarc::driver::CudaModule>, String), KernelError> {
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| KernelError::Launch {
+            what,
+            message: format!("NVRTC compile: {e}"),
+        })?;
+    let text = ptx.to_src();
+    let module = ctx.load_module(ptx).map_err(|e| driver_error(what, e))?;
+    Ok((module, text))
+}
+
+/// Function `name` of `module`, allowed `shared_bytes` of dynamic shared memory per block.
+pub(crate) fn load_function(
+    module: &Arc<cudarc::driver::CudaModule>,
+    name: &str,
+    shared_bytes: u32,
+    what: &'static str,
+) -> Result<cudarc::driver::CudaFunction, KernelError> {
+    let function = module
+        .load_function(name)
+        .map_err(|e| driver_error(what, e))?;
+    function
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_bytes as i32,
+        )
+        .map_err(|e| driver_error(what, e))?;
+    Ok(function)
+}
+
 /// Runs a library call, turning a panic (cudarc panics when a library or a symbol cannot be
 /// loaded) into a [`KernelError::Launch`].
 pub(crate) fn guarded<T>(
