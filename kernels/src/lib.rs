@@ -7,8 +7,9 @@
 //! - [`gemm`]: the [`Gemm`] trait (`C ← β·C + α·op(A)·op(B)`) and its portable
 //!   implementation [`CubeGemm`] (cubek-matmul);
 //! - [`gates`]: fused elementwise gates ([`gates::swiglu`], [`gates::sigmoid_gate`]), norms
-//!   ([`gates::rms_norm`], the per-head [`gates::rms_norm_rope`]) and the scaled residual, with
-//!   the bf16 rounding points of the unfused chain;
+//!   ([`gates::rms_norm`], the per-head [`gates::rms_norm_rope`], the gated
+//!   [`gates::rms_norm_gate`]) and the scaled residual, with the bf16 rounding points of the
+//!   unfused chain;
 //! - [`channel_stats`]: weighted sums of squares and of absolute values and the maxima of
 //!   absolute values per column of an input, in one pass ([`channel_stats::channel_sums`]);
 //! - [`hessian`]: `H ← H + w·XᵀX` ([`accumulate_xtx`]), and how a symmetric product splits
@@ -36,8 +37,9 @@
 //! - [`softmax`]: the causally masked row softmax of blocked (cuBLAS) attention
 //!   ([`causal_softmax_rows`]);
 //! - `cuda` (feature `cuda`): NVIDIA's libraries on CubeCL's buffers (cuBLAS GEMMs and
-//!   Hessians, the cuSOLVER inverse, the driver's staged copies) and `HopperAttention`, the
-//!   attention on Hopper's warpgroup instructions (CUDA C++ compiled by NVRTC);
+//!   Hessians, the cuSOLVER inverse, the driver's staged copies), `HopperAttention`, the
+//!   attention on Hopper's warpgroup instructions, and `MmaGla`, the Simple GLA on `mma.sync`
+//!   with its fragments in registers (both CUDA C++ compiled by NVRTC);
 //! - [`error`]: the one error type, [`KernelError`].
 
 pub mod attention;
