@@ -280,8 +280,7 @@ pub fn simple_gla_bf16_in_segments<R: Runtime>(
             "no 16×16×16 bf16 cooperative matrices with 32-unit planes on this runtime",
         ));
     }
-    let bytes = [q, k, v, out].map(|h| h.size_in_used() as usize);
-    let plan = GlaPlan::new(shape, offsets, log_decays, segment, bytes)?;
+    let plan = GlaPlan::new(shape, offsets, log_decays, segment, [q, k, v, out])?;
     let (tiling, segments) = (plan.tiling, &plan.segments);
     check_cube_resources(client, "gla device", UNITS, tiling.shared_bytes)?;
     let (d, len) = (shape.head_dim, plan.len);
@@ -342,14 +341,14 @@ pub(crate) struct GlaPlan {
 }
 
 impl GlaPlan {
-    /// Checks a problem with `segment`-token segments against buffers of `bytes` bytes
-    /// (`q`, `k`, `v`, `out`) and tabulates its decays.
+    /// Checks a problem with `segment`-token segments against its buffers (`q`, `k`, `v`,
+    /// `out`) and tabulates its decays.
     pub(crate) fn new(
         shape: &GlaShape,
         offsets: &[usize],
         log_decays: &[f64],
         segment: usize,
-        bytes: [usize; 4],
+        buffers: [&Handle; 4],
     ) -> Result<Self, KernelError> {
         let (tiling, segments) = segmented_tiling(shape, offsets, segment)?;
         if log_decays.len() != shape.heads {
@@ -361,10 +360,11 @@ impl GlaPlan {
         let powers = decay_powers(log_decays)?;
         let tokens = offsets[offsets.len() - 1];
         let len = tokens * shape.heads * shape.head_dim;
-        for (bytes, what) in bytes
+        for (buffer, what) in buffers
             .into_iter()
             .zip(["gla q", "gla k", "gla v", "gla out"])
         {
+            let bytes = buffer.size_in_used() as usize;
             if bytes < len * size_of::<bf16>() {
                 return Err(KernelError::shape(
                     what,

@@ -79,9 +79,7 @@ impl MmaGla {
             let lib = LibStream::new(ordinal)?;
             lib.bind()?;
             let ctx = lib.context();
-            let capability = ctx
-                .compute_capability()
-                .map_err(|e| driver_error("compute capability", e))?;
+            let capability = lib.compute_capability()?;
             if capability < (8, 0) {
                 return Err(KernelError::unsupported(
                     "mma GLA device",
@@ -148,8 +146,7 @@ impl MmaGla {
         segment: usize,
         [q, k, v, out]: [&Handle; 4],
     ) -> Result<GlaTiling, KernelError> {
-        let bytes = [q, k, v, out].map(|h| h.size_in_used() as usize);
-        let plan = GlaPlan::new(shape, offsets, log_decays, segment, bytes)?;
+        let plan = GlaPlan::new(shape, offsets, log_decays, segment, [q, k, v, out])?;
         let entries = self
             .entries
             .iter()

@@ -79,9 +79,7 @@ impl HopperAttention {
             let lib = LibStream::new(ordinal)?;
             lib.bind()?;
             let ctx = lib.context();
-            let capability = ctx
-                .compute_capability()
-                .map_err(|e| driver_error("compute capability", e))?;
+            let capability = lib.compute_capability()?;
             if capability != (9, 0) {
                 return Err(KernelError::unsupported(
                     "Hopper attention device",

@@ -227,6 +227,13 @@ impl LibStream {
     pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+
+    /// The device's compute capability, `(major, minor)`.
+    pub(crate) fn compute_capability(&self) -> Result<(i32, i32), KernelError> {
+        self.ctx
+            .compute_capability()
+            .map_err(|e| driver_error("compute capability", e))
+    }
 }
 
 fn driver_error(what: &'static str, e: cudarc::driver::DriverError) -> KernelError {
