@@ -547,60 +547,111 @@ pub fn linear_bf16(
     w: &Handle,
     y: &Handle,
 ) -> Result<(), KernelError> {
-    let LinearShape {
-        tokens,
-        in_features,
-        out_features,
-    } = shape;
-    for (what, handle, rows, cols) in [
-        ("linear x", x, tokens, in_features),
-        ("linear w", w, out_features, in_features),
-        ("linear y", y, tokens, out_features),
-    ] {
-        let needed = rows
-            .checked_mul(cols)
-            .and_then(|n| n.checked_mul(2))
-            .ok_or_else(|| KernelError::shape(what, format!("{rows}×{cols} overflows")))?;
-        let bytes = handle.size_in_used() as usize;
-        if bytes < needed {
-            return Err(KernelError::shape(
-                what,
-                format!("{bytes} bytes for a {rows}×{cols} bf16 matrix"),
-            ));
-        }
+    linears_bf16(
+        client,
+        blas,
+        shape.tokens,
+        shape.in_features,
+        x,
+        &[LinearOutput {
+            out_features: shape.out_features,
+            w,
+            y,
+        }],
+    )
+}
+
+/// One weight of [`linears_bf16`] and the buffer its product goes to.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearOutput<'a> {
+    /// Rows of `w`, columns of `y`.
+    pub out_features: usize,
+    /// The weight `[out_features, in_features]`, bf16, row-major.
+    pub w: &'a Handle,
+    /// The product `[tokens, out_features]`, bf16, row-major.
+    pub y: &'a Handle,
+}
+
+/// `y_i ← x·w_iᵀ` in bf16 for several weights that read one input `x` `[tokens, in_features]`
+/// (a layer's q, k, v and gate projections, or its MLP's gate and up): the products of
+/// [`linear_bf16`], queued back to back on cuBLAS's stream. Waits for CubeCL's queued work
+/// once before them and for cuBLAS's stream once after, where one [`linear_bf16`] each would
+/// wait twice per product (each wait leaves the GPU idle until the host has queued the next
+/// product). Every buffer is checked before anything is queued.
+pub fn linears_bf16(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    tokens: usize,
+    in_features: usize,
+    x: &Handle,
+    outputs: &[LinearOutput<'_>],
+) -> Result<(), KernelError> {
+    check_bf16_buffer("linear x", x, tokens, in_features)?;
+    for out in outputs {
+        check_bf16_buffer("linear w", out.w, out.out_features, in_features)?;
+        check_bf16_buffer("linear y", out.y, tokens, out.out_features)?;
     }
-    if tokens == 0 || out_features == 0 {
+    let calls = outputs
+        .iter()
+        .filter(|out| tokens > 0 && out.out_features > 0)
+        .map(|out| linear_call(client, tokens, in_features, x, out))
+        .collect::<Result<Vec<_>, _>>()?;
+    if calls.is_empty() {
         return Ok(());
     }
+    blas.run(client, "cublasGemmEx (bf16 linear)", |handle| {
+        calls.iter().try_for_each(|call| call.launch(handle))
+    })
+}
+
+/// Errors unless `handle` holds at least a `rows × cols` bf16 matrix; `what` names it.
+fn check_bf16_buffer(
+    what: &'static str,
+    handle: &Handle,
+    rows: usize,
+    cols: usize,
+) -> Result<(), KernelError> {
+    let needed = rows
+        .checked_mul(cols)
+        .and_then(|n| n.checked_mul(2))
+        .ok_or_else(|| KernelError::shape(what, format!("{rows}×{cols} overflows")))?;
+    let bytes = handle.size_in_used() as usize;
+    if bytes < needed {
+        return Err(KernelError::shape(
+            what,
+            format!("{bytes} bytes for a {rows}×{cols} bf16 matrix"),
+        ));
+    }
+    Ok(())
+}
+
+/// The `cublasGemmEx` call of one product of [`linears_bf16`].
+fn linear_call(
+    client: &ComputeClient<CudaRuntime>,
+    tokens: usize,
+    in_features: usize,
+    x: &Handle,
+    out: &LinearOutput<'_>,
+) -> Result<GemmExCall, KernelError> {
     // Row-major y [tokens, out] is column-major yᵀ (out × tokens, ld out) = w·xᵀ, where
     // row-major w [out, in] is column-major wᵀ (ld in, used transposed) and row-major x
     // [tokens, in] is column-major xᵀ (ld in).
-    let call = GemmExCall {
+    let ld_in = dim_i32("linear in_features", in_features.max(1))?;
+    Ok(GemmExCall {
         op1: cublasOperation_t::CUBLAS_OP_T,
         op2: cublasOperation_t::CUBLAS_OP_N,
-        m: dim_i32("linear out_features", out_features)?,
+        m: dim_i32("linear out_features", out.out_features)?,
         n: dim_i32("linear tokens", tokens)?,
         k: dim_i32("linear in_features", in_features)?,
-        x1: (
-            handle_ptr(client, w)?,
-            dim_i32("linear in_features", in_features.max(1))?,
-            cudaDataType::CUDA_R_16BF,
-        ),
-        x2: (
-            handle_ptr(client, x)?,
-            dim_i32("linear in_features", in_features.max(1))?,
-            cudaDataType::CUDA_R_16BF,
-        ),
+        x1: (handle_ptr(client, out.w)?, ld_in, cudaDataType::CUDA_R_16BF),
+        x2: (handle_ptr(client, x)?, ld_in, cudaDataType::CUDA_R_16BF),
         c: (
-            handle_ptr(client, y)?,
-            dim_i32("linear out_features", out_features)?,
+            handle_ptr(client, out.y)?,
+            dim_i32("linear out_features", out.out_features)?,
             cudaDataType::CUDA_R_16BF,
         ),
         alpha: 1.0,
         beta: 0.0,
         compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    };
-    blas.run(client, "cublasGemmEx (bf16 linear)", |handle| {
-        call.launch(handle)
     })
 }

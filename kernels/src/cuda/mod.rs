@@ -45,8 +45,8 @@ pub use attention::{
     SCORE_BUDGET_BYTES,
 };
 pub use blas::{
-    linear_bf16, xtx_bf16, xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas, CublasGemm,
-    Fp32Math, LinearShape, XtxRun,
+    linear_bf16, linears_bf16, xtx_bf16, xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas,
+    CublasGemm, Fp32Math, LinearOutput, LinearShape, XtxRun,
 };
 pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
