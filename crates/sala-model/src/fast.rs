@@ -35,6 +35,16 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// [`FastOps::linear`] of one `x` `[tokens, in]` by each of `ws` (`[out_i, in]`), in one
+    /// call: the products of weights that read the same input (a layer's q, k, v and gate
+    /// projections; its MLP's gate and up), which an implementation may queue together.
+    /// Returns one product per weight, in order; `Ok(None)` where it has no such call for
+    /// these tensors (each weight then goes through [`FastOps::linear`]).
+    fn linears(&self, x: &Tensor<B, 2>, ws: &[&Tensor<B, 2>]) -> Result<Option<Vec<Tensor<B, 2>>>> {
+        let _ = (x, ws);
+        Ok(None)
+    }
+
     /// The SwiGLU activation `round(round(silu(gate)) · up)` of `gate`, `up` `[tokens, inter]`
     /// (storage dtype), rounded where the graph rounds (`silu` itself computes
     /// `gate · round(sigmoid(gate))`); `Ok(None)` where this implementation has no fused
@@ -332,8 +342,8 @@ mod cube {
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::channel_stats::{channel_sums, ChannelBlocks};
     use sala_kernels::cuda::{
-        blocked_causal_attention_bf16, linear_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
-        DriverTransfer, HopperAttention, LinearShape, MmaGla, XtxRun, XtxStream,
+        blocked_causal_attention_bf16, linears_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
+        DriverTransfer, HopperAttention, LinearOutput, MmaGla, XtxRun, XtxStream,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -798,35 +808,64 @@ mod cube {
             x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
             w: &Tensor<CubeBackend<R, F, I, BT>, 2>,
         ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            Ok(self.linears(x, &[w])?.map(|mut ys| ys.remove(0)))
+        }
+
+        fn linears(
+            &self,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            ws: &[&Tensor<CubeBackend<R, F, I, BT>, 2>],
+        ) -> Result<Option<Vec<Tensor<CubeBackend<R, F, I, BT>, 2>>>> {
             let Some(blas) = &self.blas else {
                 return Ok(None);
             };
-            if x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
+            if x.dtype() != DType::BF16 || ws.iter().any(|w| w.dtype() != DType::BF16) {
                 return Ok(None);
             }
-            let ([tokens, in_features], [out_features, w_in]) = (x.dims(), w.dims());
-            if w_in != in_features {
-                return Err(ModelError::InvalidInput(format!(
-                    "linear of [{tokens}, {in_features}] by a [{out_features}, {w_in}] weight"
-                )));
+            let [tokens, in_features] = x.dims();
+            let mut outs = Vec::with_capacity(ws.len());
+            for w in ws {
+                let [out_features, w_in] = w.dims();
+                if w_in != in_features {
+                    return Err(ModelError::InvalidInput(format!(
+                        "linear of [{tokens}, {in_features}] by a [{out_features}, {w_in}] weight"
+                    )));
+                }
+                outs.push(out_features);
             }
-            let (x, w) = (primitive(x.clone()), primitive(w.clone()));
-            let y = x.client.empty(tokens * out_features * 2);
-            let shape = LinearShape {
-                tokens,
-                in_features,
-                out_features,
-            };
-            linear_bf16(&x.client, blas, shape, &x.handle, &w.handle, &y)
+            let x = primitive(x.clone());
+            let ws: Vec<_> = ws.iter().map(|w| primitive((*w).clone())).collect();
+            let ys: Vec<_> = outs
+                .iter()
+                .map(|out| x.client.empty(tokens * out * 2))
+                .collect();
+            let outputs: Vec<LinearOutput> = outs
+                .iter()
+                .zip(&ws)
+                .zip(&ys)
+                .map(|((&out_features, w), y)| LinearOutput {
+                    out_features,
+                    w: &w.handle,
+                    y,
+                })
+                .collect();
+            linears_bf16(&x.client, blas, tokens, in_features, &x.handle, &outputs)
                 .map_err(kernel_error("linear"))?;
-            let out = CubeTensor::new_contiguous(
-                x.client.clone(),
-                x.device.clone(),
-                [tokens, out_features].into(),
-                y,
-                DType::BF16,
-            );
-            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+            let ys = outs
+                .iter()
+                .zip(ys)
+                .map(|(&out_features, y)| {
+                    let out = CubeTensor::new_contiguous(
+                        x.client.clone(),
+                        x.device.clone(),
+                        [tokens, out_features].into(),
+                        y,
+                        DType::BF16,
+                    );
+                    Tensor::from_primitive(TensorPrimitive::Float(out))
+                })
+                .collect();
+            Ok(Some(ys))
         }
 
         fn rms_norm_rope(

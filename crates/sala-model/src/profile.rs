@@ -154,6 +154,12 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         self.timed("linear", &x.device(), is_some, || self.inner.linear(x, w))
     }
 
+    fn linears(&self, x: &Tensor<B, 2>, ws: &[&Tensor<B, 2>]) -> Result<Option<Vec<Tensor<B, 2>>>> {
+        self.timed("linears", &x.device(), is_some, || {
+            self.inner.linears(x, ws)
+        })
+    }
+
     fn swiglu(&self, gate: &Tensor<B, 2>, up: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
         self.timed("swiglu", &gate.device(), is_some, || {
             self.inner.swiglu(gate, up)

@@ -87,8 +87,27 @@ pub struct LayerRunner<B: Backend> {
 /// [`RunOptions::mlp_rows`]).
 pub type TapRows = std::ops::Range<usize>;
 
-/// Mixer steps: the normed layer input and the linears' tap, shared by the layer kinds.
-type Apply<'f, B> = dyn FnMut(&str, Tensor<B, 2>, [usize; 2]) -> Result<Tensor<B, 2>> + 'f;
+/// Mixer steps, shared by the layer kinds: taps `x` as the input of each named linear (module
+/// name and weight shape `[out, in]`), then returns `x·wᵀ` for each, in order, computed
+/// together (one input, several weights: [`FastOps::linears`]).
+type Apply<'f, B> =
+    dyn FnMut(Tensor<B, 2>, &[(&str, [usize; 2])]) -> Result<Vec<Tensor<B, 2>>> + 'f;
+
+/// q, k and v `[tokens, heads, d]`, and the gate projection `[tokens, q_width]` where one was
+/// asked for.
+type Projections<B> = ([Tensor<B, 3>; 3], Option<Tensor<B, 2>>);
+
+/// [`Apply`] for one linear.
+fn apply_one<B: Backend>(
+    apply: &mut Apply<'_, B>,
+    name: &str,
+    x: Tensor<B, 2>,
+    shape: [usize; 2],
+) -> Result<Tensor<B, 2>> {
+    let mut ys = apply(x, &[(name, shape)])?;
+    ys.pop()
+        .ok_or_else(|| ModelError::InvalidInput(format!("no product for {name}")))
+}
 
 /// The sequences of a pack as row ranges `start..end` of the `[Σ T, hidden]` buffer.
 fn row_ranges(lengths: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
@@ -540,8 +559,17 @@ impl<B: Backend> LayerRunner<B> {
             hidden,
             w.tensor("input_layernorm", [self.config.hidden_size()])?,
         )?;
-        let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| {
-            Ok(linear(x, w.tensor(name, shape)?, self.options.numerics))
+        let mut apply = |x: Tensor<B, 2>, linears: &[(&str, [usize; 2])]| {
+            linears
+                .iter()
+                .map(|&(name, shape)| {
+                    Ok(linear(
+                        x.clone(),
+                        w.tensor(name, shape)?,
+                        self.options.numerics,
+                    ))
+                })
+                .collect()
         };
         let [q, k, v] = self.lightning_qkv(&w, &a, &[tokens], &mut apply)?;
         let scale = 1.0 / (q.dims()[2] as f64).sqrt();
@@ -647,9 +675,13 @@ impl<B: Backend> LayerRunner<B> {
         let hidden = hidden.cast(w.dtype);
         let layer = weights.layer();
         let (hidden_size, inter) = (self.config.hidden_size(), self.config.intermediate_size());
-        let mut apply = |name: &str, x: Tensor<B, 2>, shape: [usize; 2]| -> Result<Tensor<B, 2>> {
-            tap(&format!("{}.{name}", w.prefix), &x, 0..x.dims()[0]);
-            self.linear(x, w.tensor(name, shape)?)
+        let mut apply = |x: Tensor<B, 2>, linears: &[(&str, [usize; 2])]| {
+            let mut ws = Vec::with_capacity(linears.len());
+            for &(name, shape) in linears {
+                tap(&format!("{}.{name}", w.prefix), &x, 0..x.dims()[0]);
+                ws.push(w.tensor(name, shape)?);
+            }
+            self.linears(x, ws)
         };
         let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?)?;
         let mixed = match weights.kind() {
@@ -680,11 +712,11 @@ impl<B: Backend> LayerRunner<B> {
                 true => x.clone(),
                 false => x.clone().slice([rows.clone(), 0..hidden_size]),
             };
-            let m_rows = part(&m);
-            let act = self.swiglu(
-                self.linear(m_rows.clone(), gate.clone())?,
-                self.linear(m_rows, up.clone())?,
-            )?;
+            let [gate_out, up_out]: [Tensor<B, 2>; 2] = self
+                .linears(part(&m), vec![gate.clone(), up.clone()])?
+                .try_into()
+                .map_err(|_| ModelError::InvalidInput("gate and up: not two products".into()))?;
+            let act = self.swiglu(gate_out, up_out)?;
             tap(&format!("{}.mlp.down_proj", w.prefix), &act, rows.clone());
             if full {
                 let out = self.linear(act, down.clone())?;
@@ -702,6 +734,25 @@ impl<B: Backend> LayerRunner<B> {
             }
         }
         Ok(linear(x, w, self.options.numerics))
+    }
+
+    /// `x·w_iᵀ` for each of `ws`: the [`FastOps`] call for several weights where it has one,
+    /// else [`Self::linear`] per weight.
+    fn linears(&self, x: Tensor<B, 2>, ws: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
+        if let (Some(fast), true) = (&self.fast, ws.len() > 1) {
+            let refs: Vec<&Tensor<B, 2>> = ws.iter().collect();
+            if let Some(ys) = fast.linears(&x, &refs)? {
+                if ys.len() != ws.len() {
+                    return Err(ModelError::InvalidInput(format!(
+                        "{} products for {} weights",
+                        ys.len(),
+                        ws.len()
+                    )));
+                }
+                return Ok(ys);
+            }
+        }
+        ws.into_iter().map(|w| self.linear(x.clone(), w)).collect()
     }
 
     /// `round(round(silu(gate)) · up)`: the [`FastOps`] fused kernel where it has one.
@@ -724,23 +775,35 @@ impl<B: Backend> LayerRunner<B> {
         Ok(self.round(x * self.round(sigmoid(gate))))
     }
 
-    /// q/k/v projections of `a` into `[tokens, heads, d]` views.
+    /// q/k/v projections of `a` into `[tokens, heads, d]` views, and with `gate` (a module
+    /// name) that `[q_width, hidden]` projection of `a` too, all in one [`Apply`] call.
     fn project_qkv(
         &self,
         a: &Tensor<B, 2>,
         dims: HeadDims,
         apply: &mut Apply<'_, B>,
-    ) -> Result<[Tensor<B, 3>; 3]> {
+        gate: Option<&str>,
+    ) -> Result<Projections<B>> {
         let hidden = self.config.hidden_size();
         let tokens = a.dims()[0];
-        let q = apply("self_attn.q_proj", a.clone(), [dims.q_width(), hidden])?;
-        let k = apply("self_attn.k_proj", a.clone(), [dims.kv_width(), hidden])?;
-        let v = apply("self_attn.v_proj", a.clone(), [dims.kv_width(), hidden])?;
-        Ok([
-            q.reshape([tokens, dims.heads, dims.head_dim]),
-            k.reshape([tokens, dims.kv_heads, dims.head_dim]),
-            v.reshape([tokens, dims.kv_heads, dims.head_dim]),
-        ])
+        let mut linears = vec![
+            ("self_attn.q_proj", [dims.q_width(), hidden]),
+            ("self_attn.k_proj", [dims.kv_width(), hidden]),
+            ("self_attn.v_proj", [dims.kv_width(), hidden]),
+        ];
+        linears.extend(gate.map(|name| (name, [dims.q_width(), hidden])));
+        let mut ys = apply(a.clone(), &linears)?.into_iter();
+        let mut next = |heads: usize| {
+            ys.next()
+                .map(|y| y.reshape([tokens, heads, dims.head_dim]))
+                .ok_or_else(|| ModelError::InvalidInput("missing q/k/v product".into()))
+        };
+        let qkv = [
+            next(dims.heads)?,
+            next(dims.kv_heads)?,
+            next(dims.kv_heads)?,
+        ];
+        Ok((qkv, ys.next()))
     }
 
     /// Causal softmax attention of each sequence of the pack, `[tokens, heads·d]` in the
@@ -796,11 +859,11 @@ impl<B: Backend> LayerRunner<B> {
         }
         let dims = self.config.attention_heads();
         let hidden = self.config.hidden_size();
-        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
-        let gate = apply("self_attn.o_gate", a, [dims.q_width(), hidden])?;
+        let ([q, k, v], gate) = self.project_qkv(&a, dims, apply, Some("self_attn.o_gate"))?;
+        let gate = gate.ok_or_else(|| ModelError::InvalidInput("missing o_gate product".into()))?;
         let att = self.softmax_attention(q, k, v, lengths)?;
         let gated = self.sigmoid_gate(att, gate)?;
-        apply("self_attn.o_proj", gated, [hidden, dims.q_width()])
+        apply_one(apply, "self_attn.o_proj", gated, [hidden, dims.q_width()])
     }
 
     /// Lightning mixer: q/k RMSNorm per head, RoPE, Simple GLA in f32, `o_norm` over all
@@ -819,9 +882,11 @@ impl<B: Backend> LayerRunner<B> {
         let (heads, d) = (dims.heads, dims.head_dim);
         let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
         let out = self.gla(q, k, v, lengths, 1.0 / (d as f64).sqrt())?;
-        let gate = apply("self_attn.z_proj", a, [heads * d, hidden])?;
+        // z_proj after the GLA, not with q/k/v: its [tokens, heads·d] output would otherwise
+        // be held through the GLA (1 GiB at 131072 tokens).
+        let gate = apply_one(apply, "self_attn.z_proj", a, [heads * d, hidden])?;
         let gated = self.norm_gate(out, w.tensor("self_attn.o_norm", [heads * d])?, gate)?;
-        apply("self_attn.o_proj", gated, [hidden, heads * d])
+        apply_one(apply, "self_attn.o_proj", gated, [hidden, heads * d])
     }
 
     /// The Simple GLA of every sequence of the pack for `q` (not yet multiplied by `scale`),
@@ -962,7 +1027,7 @@ impl<B: Backend> LayerRunner<B> {
             ModelError::InvalidInput("lightning layer without lightning heads".into())
         })?;
         let d = dims.head_dim;
-        let [q, k, v] = self.project_qkv(a, dims, apply)?;
+        let ([q, k, v], _) = self.project_qkv(a, dims, apply, None)?;
         let q = self.norm_rope(q, w.tensor("self_attn.q_norm", [d])?, lengths)?;
         let k = self.norm_rope(k, w.tensor("self_attn.k_norm", [d])?, lengths)?;
         Ok([q, k, v])
@@ -976,10 +1041,11 @@ impl<B: Backend> LayerRunner<B> {
         apply: &mut Apply<'_, B>,
     ) -> Result<Tensor<B, 2>> {
         let dims = self.config.attention_heads();
-        let [q, k, v] = self.project_qkv(&a, dims, apply)?;
+        let ([q, k, v], _) = self.project_qkv(&a, dims, apply, None)?;
         let [q, k] = self.rope(q, k, lengths)?;
         let att = self.softmax_attention(q, k, v, lengths)?;
-        apply(
+        apply_one(
+            apply,
             "self_attn.o_proj",
             att,
             [self.config.hidden_size(), dims.q_width()],
