@@ -83,9 +83,10 @@ class Kernel:
         if work is None:
             work = torch.tensor(work_list(lengths, heads // kv_heads), dtype=torch.int32, device="cuda")
         items = work.numel() // 3
+        # The null pointer after `out` is the kernel's optional output gate (not used here).
         c = lambda t: cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
         self.fn((items * kv_heads,), (ARGS.threads,),
-                (c(q), c(k), c(v), c(out), c(work), cupy.uint32(items), cupy.uint32(heads),
+                (c(q), c(k), c(v), c(out), cupy.uint64(0), c(work), cupy.uint32(items), cupy.uint32(heads),
                  cupy.uint32(kv_heads), cupy.float32(D ** -0.5 * math.log2(math.e))),
                 shared_mem=ARGS.smem)
         return work

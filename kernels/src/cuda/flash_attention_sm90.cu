@@ -10,6 +10,9 @@
 //   back; query head h reads KV head h / group (group = heads / kv_heads);
 //   out[t, h] = softmax_j(scale · q[t, h]·k[j, h/group]) · v[j, h/group] over the keys j <= t
 //   of t's sequence.
+//   With a `gate` [tokens, heads, 128] (else a null pointer), the output is gated as the
+//   model's sigmoid output gate: out = bf16(bf16(o) · bf16(σ(gate))), σ(g) = exp(−ln(1 + e^−g))
+//   in f32, the two roundings and the formula those of `gates::sigmoid_gate`.
 //
 // Tiling. A *row* is one (token, query head) pair; for KV head kv the rows of one sequence are
 // numbered group-major, f = token · group + j for query head kv · group + j, so one staged K/V
@@ -114,6 +117,14 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+
+/// The f32 values of the two bf16 of a pair, the low half first.
+__device__ __forceinline__ float2 unpack_bf16(u32 pair) {
+  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+}
+
+/// `σ(g)` as the model's graph computes it, `exp(−ln(1 + exp(−g)))`, in f32.
+__device__ __forceinline__ float sigmoid(float g) { return __expf(-__logf(1.0f + __expf(-g))); }
 
 /// Two f32 rounded to a bf16 pair, `lo` in the low half.
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -334,8 +345,8 @@ __device__ __forceinline__ void values(float (&o)[64], const u32 (&p)[8][4], u32
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     sala_flash_attention_sm90(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                               const bf16_t* __restrict__ v, bf16_t* __restrict__ out,
-                              const u32* __restrict__ work, u32 items, u32 heads, u32 kv_heads,
-                              float scale_log2) {
+                              const bf16_t* __restrict__ gate, const u32* __restrict__ work,
+                              u32 items, u32 heads, u32 kv_heads, float scale_log2) {
   extern __shared__ unsigned char smem[];
   const u32 base = (shared_address(smem) + 1023u) & ~1023u;
   // Q, K stages, V stages (tile t in stage t % STAGES), then the barriers: full (the
@@ -473,6 +484,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     mbar_arrive(empty_v + 8 * ((turn - 1) % STAGES));
     pack_p(s, p);
   }
+  // The gate's values for this thread's outputs, loaded before the last product so that
+  // their latency overlaps it (S's registers are free by now); rows past the sequence read
+  // its last row and are never stored.
+  u32 gate_pairs[2][16];
+  if (gate != nullptr) {
+#pragma unroll
+    for (u32 half = 0; half < 2; ++half) {
+      const u32 f = min(f0 + row0 + 8 * half, rows - 1);
+      const u64 row = static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group;
+      const bf16_t* src = gate + row * HEAD_DIM;
+#pragma unroll
+      for (u32 i = 0; i < 16; ++i)
+        gate_pairs[half][i] = *reinterpret_cast<const u32*>(src + 8 * i + column);
+    }
+  }
   // Last turn: O += P·V of the last tile. Warpgroup 1's pass would have no taker.
   mbar_wait(full_v + 8 * ((tiles - 1) % STAGES), ((tiles - 1) / STAGES) & 1);
   fence_proxy_async();
@@ -495,12 +521,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const u32 f = f0 + row0 + 8 * half;
     if (f >= rows) continue;
     const float inv = half ? inv1 : inv0;
-    bf16_t* dst =
-        out + (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM;
+    const u64 at =
+        (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM;
 #pragma unroll
     for (u32 i = 0; i < 16; ++i) {
-      *reinterpret_cast<u32*>(dst + 8 * i + column) =
-          pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+      u32 pair = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+      if (gate != nullptr) {
+        const float2 a = unpack_bf16(pair);
+        const float2 g = unpack_bf16(gate_pairs[half][i]);
+        const float2 s = unpack_bf16(pack_bf16(sigmoid(g.x), sigmoid(g.y)));
+        pair = pack_bf16(a.x * s.x, a.y * s.y);
+      }
+      *reinterpret_cast<u32*>(out + at + 8 * i + column) = pair;
     }
   }
 }

@@ -131,7 +131,24 @@ impl HopperAttention {
         offsets: &[usize],
         buffers: [&Handle; 4],
     ) -> Result<(), KernelError> {
-        self.launch(client, shape, offsets, buffers, false)
+        self.launch(client, shape, offsets, buffers, None, false)
+            .map(drop)
+    }
+
+    /// [`run`](Self::run) with the output gated in the kernel's epilogue, as the model's
+    /// sigmoid output gate: `out = bf16(bf16(o) · bf16(σ(g)))` for `o` the attention output
+    /// and `g` the element of `gate` (bf16, `[tokens, heads, head_dim]` like `out`), the
+    /// roundings and the f32 formula of [`gates::sigmoid_gate`](crate::gates::sigmoid_gate):
+    /// one pass over the output instead of two.
+    pub fn run_gated(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        shape: &AttentionShape,
+        offsets: &[usize],
+        buffers: [&Handle; 4],
+        gate: &Handle,
+    ) -> Result<(), KernelError> {
+        self.launch(client, shape, offsets, buffers, Some(gate), false)
             .map(drop)
     }
 
@@ -146,20 +163,38 @@ impl HopperAttention {
         offsets: &[usize],
         buffers: [&Handle; 4],
     ) -> Result<f64, KernelError> {
-        self.launch(client, shape, offsets, buffers, true)
+        self.launch(client, shape, offsets, buffers, None, true)
             .map(|seconds| seconds.unwrap_or(0.0))
     }
 
-    /// The launch behind [`run`](Self::run); with `timed`, the kernel's seconds by events.
+    /// The launch behind [`run`](Self::run) and, with a `gate`, [`run_gated`](Self::run_gated);
+    /// with `timed`, the kernel's seconds by events.
     fn launch(
         &self,
         client: &ComputeClient<CudaRuntime>,
         shape: &AttentionShape,
         offsets: &[usize],
         [q, k, v, out]: [&Handle; 4],
+        gate: Option<&Handle>,
         timed: bool,
     ) -> Result<Option<f64>, KernelError> {
         check_inputs(shape, offsets, size_of::<half::bf16>(), [q, k, v, out])?;
+        if let Some(gate) = gate {
+            // As large as the output: `check_inputs` bounded the product.
+            let tokens = offsets.last().copied().unwrap_or(0);
+            let needed = tokens * shape.heads * shape.head_dim * size_of::<half::bf16>();
+            if (gate.size_in_used() as usize) < needed {
+                return Err(KernelError::shape(
+                    "Hopper attention gate",
+                    format!(
+                        "{} bytes for {tokens} tokens × {} heads × {} bf16",
+                        gate.size_in_used(),
+                        shape.heads,
+                        shape.head_dim
+                    ),
+                ));
+            }
+        }
         if !Self::supports(shape) {
             return Err(KernelError::unsupported(
                 "Hopper attention shape",
@@ -193,6 +228,11 @@ impl HopperAttention {
         self.lib.bind()?;
         let (q, k) = (handle_ptr(client, q)?, handle_ptr(client, k)?);
         let (v, out) = (handle_ptr(client, v)?, handle_ptr(client, out)?);
+        // A null pointer: no gate.
+        let gate = gate
+            .map(|g| handle_ptr(client, g))
+            .transpose()?
+            .unwrap_or(0);
         guarded("Hopper attention (launch)", || {
             let stream = self.lib.stream();
             let work = stream
@@ -210,6 +250,7 @@ impl HopperAttention {
                 .arg(&k)
                 .arg(&v)
                 .arg(&out)
+                .arg(&gate)
                 .arg(&work)
                 .arg(&items)
                 .arg(&heads)
@@ -222,9 +263,10 @@ impl HopperAttention {
                     .map_err(|e| driver_error(what, e))
             };
             let start = event("Hopper attention (start event)")?;
-            // SAFETY: the arguments match the kernel's signature (four bf16 pointers, the
-            // work list, three u32 and an f32); every index it forms stays inside its
-            // buffer: `check_inputs` checked the buffers against the shape and the offsets,
+            // SAFETY: the arguments match the kernel's signature (four bf16 pointers, the gate's
+            // pointer or null, the work list, three u32 and an f32); every index it forms
+            // stays inside its buffer: `check_inputs` checked the buffers against the shape
+            // and the offsets (and the gate was checked to be as large as the output),
             // the work list was built from those offsets (rows past a sequence are clamped to
             // its last token and never stored, keys past it read its last key), and the grid
             // is `items · kv_heads` blocks.

@@ -27,7 +27,7 @@ fn rounded(values: &[f32]) -> Vec<f32> {
     values.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
 }
 
-fn upload(client: &Client, values: &[f32]) -> Handle {
+pub(crate) fn upload_bf16(client: &Client, values: &[f32]) -> Handle {
     client.create_from_slice(bytemuck::cast_slice(&to_bf16(values)))
 }
 
@@ -61,11 +61,11 @@ pub(crate) fn run_with(
     x: &Inputs,
     launch: impl FnOnce(&Handle, &Handle, &Handle, &Handle) -> Result<(), KernelError>,
 ) -> Result<Vec<f32>, KernelError> {
-    let out = upload(client, &vec![f32::NAN; x.q.len()]);
+    let out = upload_bf16(client, &vec![f32::NAN; x.q.len()]);
     let (q, k, v) = (
-        upload(client, &x.q),
-        upload(client, &x.k),
-        upload(client, &x.v),
+        upload_bf16(client, &x.q),
+        upload_bf16(client, &x.k),
+        upload_bf16(client, &x.v),
     );
     launch(&q, &k, &v, &out)?;
     let bytes = client.read_one(out).map_err(|e| KernelError::Read {

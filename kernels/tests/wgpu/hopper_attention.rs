@@ -2,17 +2,19 @@
 //! reference of the attention tests, on bf16-rounded inputs: varlen packs whose sequences end
 //! inside a 128-key tile and inside a block, several tiles, GQA groups that do and do not
 //! divide a block's 128 rows, scores growing along the sequence (the online rescaling), and a
-//! pack equal to each sequence alone. On a CUDA device other than compute capability 9.0 the
-//! constructor refuses with `Unsupported` (any other error fails) and the tests stop with a
-//! notice.
+//! pack equal to each sequence alone; the gated run against the gate kernel. On a CUDA device
+//! other than compute capability 9.0 the constructor refuses with `Unsupported` (any other
+//! error fails) and the tests stop with a notice.
 
+use half::bf16;
 use sala_kernels::cuda::HopperAttention;
+use sala_kernels::gates::sigmoid_gate;
 use sala_kernels::{AttentionShape, KernelError};
 
 use crate::attention::{offsets_of, reference, rel_error, shape, Inputs};
 use crate::common::{client, Rng, TestRuntime};
 use crate::flash_attention::{
-    bf16_inputs, check_growing_scores, check_packed_equals_alone, run_with, TOLERANCE,
+    bf16_inputs, check_growing_scores, check_packed_equals_alone, run_with, upload_bf16, TOLERANCE,
 };
 
 type Client = cubecl::prelude::ComputeClient<TestRuntime>;
@@ -155,4 +157,53 @@ fn a_timed_run_writes_the_same_output_and_a_positive_kernel_time() {
         !kernel.ptx().is_empty() && kernel.ptx().contains("wgmma"),
         "the kept PTX is the kernel's"
     );
+}
+
+#[test]
+fn a_gated_run_equals_the_output_gated_by_the_gate_kernel() {
+    let (Some(client), Some(kernel)) = (client(), kernel()) else {
+        return;
+    };
+    let mut rng = Rng::new(83);
+    let shape = shape(32, 2, 128);
+    let offsets = offsets_of(&[1, 200, 77]);
+    let x = bf16_inputs(Inputs::random(&mut rng, &shape, *offsets.last().unwrap()));
+    let len = x.q.len();
+    // Gates of both signs, up to σ's flat ends.
+    let gate: Vec<f32> = (0..len).map(|_| 4.0 * rng.normal()).collect();
+    let plain = run(&client, &kernel, &shape, &offsets, &x);
+    let want = {
+        let (a, g) = (upload_bf16(&client, &plain), upload_bf16(&client, &gate));
+        let out = client.empty(len * 2);
+        sigmoid_gate::<TestRuntime, bf16>(&client, &a, &g, &out, len).unwrap();
+        let bytes = client.read_one(out).unwrap();
+        bytemuck::cast_slice::<u8, bf16>(&bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect::<Vec<f32>>()
+    };
+    let got = run_with(&client, &x, |q, k, v, out| {
+        let g = upload_bf16(&client, &gate);
+        kernel.run_gated(&client, &shape, &offsets, [q, k, v, out], &g)
+    })
+    .unwrap();
+    // The same bf16 values, but where the two exp/ln implementations round σ(g) to
+    // neighbouring bf16 values: then one ulp of the product apart, and rare.
+    let mut differing = 0;
+    for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+        if a != b {
+            differing += 1;
+            assert!(
+                (a - b).abs() <= b.abs() * 2f32.powi(-7) * 1.01,
+                "element {i}: gated {a}, gate kernel {b}"
+            );
+        }
+    }
+    assert!(
+        differing * 100 <= len,
+        "{differing} of {len} elements differ"
+    );
+    // The gate was applied: most outputs moved.
+    let unchanged = got.iter().zip(&plain).filter(|(a, b)| a == b).count();
+    assert!(unchanged * 2 < len, "{unchanged} of {len} outputs ungated");
 }
