@@ -27,6 +27,24 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         scale: f32,
     ) -> Result<Tensor<B, 3>>;
 
+    /// [`FastOps::causal_attention`] then [`FastOps::sigmoid_gate`] by `gate`
+    /// `[tokens, heads·d]`, in one call: `round(a · round(sigmoid(gate)))` for `a` the attention
+    /// output (rounded to the storage dtype), as `[tokens, heads·d]`: the minicpm4 layers'
+    /// gated attention. `Ok(None)` where this implementation has no fused kernel for these
+    /// tensors (the two ops run instead).
+    fn gated_causal_attention(
+        &self,
+        q: &Tensor<B, 3>,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        lengths: &[usize],
+        scale: f32,
+        gate: &Tensor<B, 2>,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (q, k, v, lengths, scale, gate);
+        Ok(None)
+    }
+
     /// `x·wᵀ` for `x` `[tokens, in]` and `w` `[out, in]` in the storage dtype, rounded like a
     /// bf16 GEMM with f32 accumulation; `Ok(None)` where this implementation has no faster
     /// product for these tensors (the graph's matmul runs instead).
@@ -982,6 +1000,64 @@ mod cube {
                 None => simple_gla_bf16(&q.client, &shape, &offsets, log_decays, buffers),
             }
             .map_err(kernel_error("simple gla"))?;
+            let out = CubeTensor::new_contiguous(
+                q.client.clone(),
+                q.device.clone(),
+                [tokens, heads * head_dim].into(),
+                out,
+                DType::BF16,
+            );
+            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        }
+
+        fn gated_causal_attention(
+            &self,
+            q: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            k: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            v: &Tensor<CubeBackend<R, F, I, BT>, 3>,
+            lengths: &[usize],
+            scale: f32,
+            gate: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            let [tokens, heads, head_dim] = q.dims();
+            let shape = AttentionShape {
+                heads,
+                kv_heads: k.dims()[1],
+                head_dim,
+                scale,
+            };
+            let bf16 = [q.dtype(), k.dtype(), v.dtype(), gate.dtype()]
+                .iter()
+                .all(|&d| d == DType::BF16);
+            let Some(hopper) = self
+                .hopper
+                .as_ref()
+                .filter(|_| bf16 && HopperAttention::supports(&shape))
+            else {
+                return Ok(None);
+            };
+            if gate.dims() != [tokens, heads * head_dim] {
+                return Err(ModelError::InvalidInput(format!(
+                    "attention gate {:?} for {tokens} tokens of {heads} heads of {head_dim}",
+                    gate.dims()
+                )));
+            }
+            let (q, k, v) = (
+                primitive(q.clone()),
+                primitive(k.clone()),
+                primitive(v.clone()),
+            );
+            let gate = primitive(gate.clone());
+            let out = q.client.empty(tokens * heads * head_dim * 2);
+            hopper
+                .run_gated(
+                    &q.client,
+                    &shape,
+                    &sequence_offsets(lengths),
+                    [&q.handle, &k.handle, &v.handle, &out],
+                    &gate.handle,
+                )
+                .map_err(kernel_error("gated causal attention"))?;
             let out = CubeTensor::new_contiguous(
                 q.client.clone(),
                 q.device.clone(),

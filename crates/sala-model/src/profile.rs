@@ -150,6 +150,21 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         )
     }
 
+    fn gated_causal_attention(
+        &self,
+        q: &Tensor<B, 3>,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        lengths: &[usize],
+        scale: f32,
+        gate: &Tensor<B, 2>,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        self.timed("gated_causal_attention", &q.device(), is_some, || {
+            self.inner
+                .gated_causal_attention(q, k, v, lengths, scale, gate)
+        })
+    }
+
     fn linear(&self, x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
         self.timed("linear", &x.device(), is_some, || self.inner.linear(x, w))
     }

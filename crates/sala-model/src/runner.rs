@@ -836,6 +836,26 @@ impl<B: Backend> LayerRunner<B> {
         Ok(self.round(concat_rows(outs).reshape([tokens, heads * d])))
     }
 
+    /// [`Self::softmax_attention`] times `sigmoid(gate)` (`gate` `[tokens, heads·d]`): the
+    /// [`FastOps`] fused call where it has one, else the two steps.
+    fn gated_attention(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        lengths: &[usize],
+        gate: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            let scale = (1.0 / (q.dims()[2] as f64).sqrt()) as f32;
+            if let Some(gated) = fast.gated_causal_attention(&q, &k, &v, lengths, scale, &gate)? {
+                return Ok(gated);
+            }
+        }
+        let att = self.softmax_attention(q, k, v, lengths)?;
+        self.sigmoid_gate(att, gate)
+    }
+
     /// Sparse-layer mixer in dense mode: GQA causal attention without RoPE, times
     /// `sigmoid(o_gate(a))`, then `o_proj`.
     fn minicpm4(
@@ -861,8 +881,7 @@ impl<B: Backend> LayerRunner<B> {
         let hidden = self.config.hidden_size();
         let ([q, k, v], gate) = self.project_qkv(&a, dims, apply, Some("self_attn.o_gate"))?;
         let gate = gate.ok_or_else(|| ModelError::InvalidInput("missing o_gate product".into()))?;
-        let att = self.softmax_attention(q, k, v, lengths)?;
-        let gated = self.sigmoid_gate(att, gate)?;
+        let gated = self.gated_attention(q, k, v, lengths, gate)?;
         apply_one(apply, "self_attn.o_proj", gated, [hidden, dims.q_width()])
     }
 
