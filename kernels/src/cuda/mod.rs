@@ -13,8 +13,11 @@
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products
 //!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel;
+//! - [`linear_bf16`] and [`linears_bf16`]: a bf16 linear layer's product, or those of several
+//!   weights that read one input, queued together between one pair of waits;
 //! - [`HopperAttention`]: causal GQA flash attention on Hopper's warpgroup tensor-core
-//!   instructions, CUDA C++ compiled at run time by NVRTC for `sm_90a`;
+//!   instructions, optionally with a sigmoid output gate in its epilogue, CUDA C++ compiled at
+//!   run time by NVRTC for `sm_90a`;
 //! - [`MmaGla`]: chunked Simple GLA on `mma.sync` with its fragments in registers, CUDA C++
 //!   compiled at run time by NVRTC.
 //!
