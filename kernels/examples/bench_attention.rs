@@ -34,7 +34,10 @@ use sala_kernels::cuda::{
 use sala_kernels::flash_attention::flash_attention_bf16_with;
 use sala_kernels::KernelError;
 
-type Client = ComputeClient<CudaRuntime>;
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{download, rel_diff, sync, time, Client};
 
 const USAGE: &str =
     "usage: bench_attention [--cases COUNTxLEN,...] [--reps N] [--planes P,...] [--json FILE] [--dump-ptx FILE]";
@@ -108,37 +111,6 @@ fn random_bf16(client: &Client, n: usize, seed: u64) -> Handle {
         .map(|_| bf16::from_f32(((0..4).map(|_| next()).sum::<f32>() - 2.0) * 1.732))
         .collect();
     client.create_from_slice(bytemuck::cast_slice(&values))
-}
-
-fn download(client: &Client, h: &Handle) -> Vec<f32> {
-    let bytes = client.read_one(h.clone()).expect("read back");
-    bytemuck::cast_slice::<u8, bf16>(&bytes)
-        .iter()
-        .map(|x| x.to_f32())
-        .collect()
-}
-
-fn sync(client: &Client) {
-    cubecl::future::block_on(client.sync()).expect("sync");
-}
-
-/// Best seconds of `reps` calls after one untimed call.
-fn time(
-    client: &Client,
-    reps: usize,
-    mut call: impl FnMut() -> Result<(), KernelError>,
-) -> Result<f64, KernelError> {
-    let mut best = f64::INFINITY;
-    for rep in 0..=reps.max(1) {
-        sync(client);
-        let t = Instant::now();
-        call()?;
-        sync(client);
-        if rep > 0 {
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    }
-    Ok(best)
 }
 
 /// Best microseconds of `reps` runs of `step` after one untimed run.
@@ -217,18 +189,6 @@ fn nvrtc_version() -> String {
         Ok(rc) => format!("unknown ({rc:?})"),
         Err(_) => "not loaded".into(),
     }
-}
-
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let top = b.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
-    let diff = a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
-        if x.is_finite() {
-            m.max((x as f64 - y as f64).abs())
-        } else {
-            f64::INFINITY
-        }
-    });
-    diff / top.max(f64::MIN_POSITIVE)
 }
 
 fn main() -> ExitCode {

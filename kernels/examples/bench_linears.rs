@@ -18,7 +18,6 @@
 //! `concat` may pick another cuBLAS algorithm, so its difference is printed, not checked.
 
 use std::process::ExitCode;
-use std::time::Instant;
 
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
@@ -27,7 +26,10 @@ use half::bf16;
 use sala_kernels::cuda::{linear_bf16, linears_bf16, Cublas, LinearOutput, LinearShape};
 use sala_kernels::KernelError;
 
-type Client = ComputeClient<CudaRuntime>;
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{download, rel_diff, time, Client};
 
 const USAGE: &str = "usage: bench_linears [--tokens N] [--reps N] [--json FILE]";
 
@@ -84,47 +86,6 @@ fn random_values(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
 
 fn upload(client: &Client, values: &[bf16]) -> Handle {
     client.create_from_slice(bytemuck::cast_slice(values))
-}
-
-fn download(client: &Client, h: &Handle) -> Vec<f32> {
-    let bytes = client.read_one(h.clone()).expect("read back");
-    bytemuck::cast_slice::<u8, bf16>(&bytes)
-        .iter()
-        .map(|x| x.to_f32())
-        .collect()
-}
-
-fn sync(client: &Client) {
-    cubecl::future::block_on(client.sync()).expect("sync");
-}
-
-/// Best seconds of `reps` calls after one untimed call, the device synchronised around each.
-fn time(
-    client: &Client,
-    reps: usize,
-    mut call: impl FnMut() -> Result<(), KernelError>,
-) -> Result<f64, KernelError> {
-    let mut best = f64::INFINITY;
-    for rep in 0..=reps.max(1) {
-        sync(client);
-        let t = Instant::now();
-        call()?;
-        sync(client);
-        if rep > 0 {
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    }
-    Ok(best)
-}
-
-/// `max |a − b| / max |b|`.
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let top = b.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
-    diff / top.max(f64::MIN_POSITIVE)
 }
 
 /// One group's three routes: `(route, seconds, max rel. diff to separate)`.

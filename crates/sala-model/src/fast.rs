@@ -510,14 +510,23 @@ mod cube {
         let len = rows * cols;
         let out = a.client.empty(len * 2);
         kernel(&a.client, &a.handle, &b.handle, &out, len).map_err(kernel_error(op))?;
-        let out = CubeTensor::new_contiguous(
-            a.client.clone(),
-            a.device.clone(),
-            [rows, cols].into(),
-            out,
+        Ok(Some(bf16_tensor(&a, out, [rows, cols])))
+    }
+
+    /// The dense bf16 tensor of `shape` that `handle` holds, on `like`'s client and device.
+    fn bf16_tensor<F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        like: &CubeTensor<R>,
+        handle: cubecl::server::Handle,
+        shape: [usize; D],
+    ) -> CudaTensor<F, I, BT, D> {
+        let tensor = CubeTensor::new_contiguous(
+            like.client.clone(),
+            like.device.clone(),
+            shape.into(),
+            handle,
             DType::BF16,
         );
-        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        Tensor::from_primitive(TensorPrimitive::Float(tensor))
     }
 
     /// The bf16 RMSNorm of `x`'s rows, gated by `gate` (one shape with `x`) when given;
@@ -565,14 +574,7 @@ mod cube {
             }
         }
         .map_err(kernel_error(op))?;
-        let out = CubeTensor::new_contiguous(
-            x.client.clone(),
-            x.device.clone(),
-            [rows, cols].into(),
-            out,
-            DType::BF16,
-        );
-        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+        Ok(Some(bf16_tensor(&x, out, [rows, cols])))
     }
 
     fn kernel_error(op: &'static str) -> impl Fn(sala_kernels::KernelError) -> ModelError {
@@ -872,16 +874,7 @@ mod cube {
             let ys = outs
                 .iter()
                 .zip(ys)
-                .map(|(&out_features, y)| {
-                    let out = CubeTensor::new_contiguous(
-                        x.client.clone(),
-                        x.device.clone(),
-                        [tokens, out_features].into(),
-                        y,
-                        DType::BF16,
-                    );
-                    Tensor::from_primitive(TensorPrimitive::Float(out))
-                })
+                .map(|(&out_features, y)| bf16_tensor(&x, y, [tokens, out_features]))
                 .collect();
             Ok(Some(ys))
         }
@@ -943,14 +936,7 @@ mod cube {
                 &out,
             )
             .map_err(kernel_error("rms norm rope"))?;
-            let out = CubeTensor::new_contiguous(
-                x.client.clone(),
-                x.device.clone(),
-                [tokens, heads, head_dim].into(),
-                out,
-                DType::BF16,
-            );
-            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+            Ok(Some(bf16_tensor(&x, out, [tokens, heads, head_dim])))
         }
 
         fn simple_gla(
@@ -1000,14 +986,7 @@ mod cube {
                 None => simple_gla_bf16(&q.client, &shape, &offsets, log_decays, buffers),
             }
             .map_err(kernel_error("simple gla"))?;
-            let out = CubeTensor::new_contiguous(
-                q.client.clone(),
-                q.device.clone(),
-                [tokens, heads * head_dim].into(),
-                out,
-                DType::BF16,
-            );
-            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+            Ok(Some(bf16_tensor(&q, out, [tokens, heads * head_dim])))
         }
 
         fn gated_causal_attention(
@@ -1058,14 +1037,7 @@ mod cube {
                     &gate.handle,
                 )
                 .map_err(kernel_error("gated causal attention"))?;
-            let out = CubeTensor::new_contiguous(
-                q.client.clone(),
-                q.device.clone(),
-                [tokens, heads * head_dim].into(),
-                out,
-                DType::BF16,
-            );
-            Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+            Ok(Some(bf16_tensor(&q, out, [tokens, heads * head_dim])))
         }
 
         fn causal_attention(
