@@ -725,3 +725,207 @@ fn uploads_go_through_the_fast_ops_and_change_nothing() {
         assert_eq!(calls, counted, "{totals:?}");
     }
 }
+
+/// CPU fast ops that answer the grouped calls (`linears`, `gated_causal_attention`) by the
+/// single ops they replace, recording each, or decline them (`answer` false): the runner's
+/// two routes through a layer.
+#[derive(Debug)]
+struct Grouping {
+    inner: CpuFastOps,
+    answer: bool,
+    /// Weights per `linears` call, then `0` for each gated attention, in call order.
+    calls: std::sync::Mutex<Vec<usize>>,
+}
+
+impl Grouping {
+    fn new(answer: bool) -> Self {
+        Self {
+            inner: CpuFastOps::new(Numerics::Bf16Rounding),
+            answer,
+            calls: Default::default(),
+        }
+    }
+}
+
+impl FastOps<B> for Grouping {
+    fn causal_attention(
+        &self,
+        q: Tensor<B, 3>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+        lengths: &[usize],
+        scale: f32,
+    ) -> sala_model::Result<Tensor<B, 3>> {
+        self.inner.causal_attention(q, k, v, lengths, scale)
+    }
+
+    fn gated_causal_attention(
+        &self,
+        q: &Tensor<B, 3>,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        lengths: &[usize],
+        scale: f32,
+        gate: &Tensor<B, 2>,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        if !self.answer {
+            return Ok(None);
+        }
+        self.calls.lock().unwrap().push(0);
+        let [tokens, heads, d] = q.dims();
+        let att = self
+            .inner
+            .causal_attention(q.clone(), k.clone(), v.clone(), lengths, scale)?
+            .reshape([tokens, heads * d]);
+        let att = Numerics::Bf16Rounding.round(att);
+        self.inner.sigmoid_gate(&att, gate)
+    }
+
+    fn linear(
+        &self,
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.linear(x, w)
+    }
+
+    fn linears(
+        &self,
+        x: &Tensor<B, 2>,
+        ws: &[&Tensor<B, 2>],
+    ) -> sala_model::Result<Option<Vec<Tensor<B, 2>>>> {
+        if !self.answer {
+            return Ok(None);
+        }
+        self.calls.lock().unwrap().push(ws.len());
+        ws.iter().map(|w| self.inner.linear(x, w)).collect()
+    }
+
+    fn swiglu(
+        &self,
+        gate: &Tensor<B, 2>,
+        up: &Tensor<B, 2>,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.swiglu(gate, up)
+    }
+
+    fn sigmoid_gate(
+        &self,
+        x: &Tensor<B, 2>,
+        gate: &Tensor<B, 2>,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.sigmoid_gate(x, gate)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Tensor<B, 2>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.rms_norm(x, weight, eps)
+    }
+
+    fn scaled_residual(
+        &self,
+        hidden: &Tensor<B, 2>,
+        branch: &Tensor<B, 2>,
+        scale: f64,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.scaled_residual(hidden, branch, scale)
+    }
+
+    fn rope(
+        &self,
+        x: &Tensor<B, 3>,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> sala_model::Result<Option<Tensor<B, 3>>> {
+        self.inner.rope(x, cos, sin, lengths)
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &Tensor<B, 3>,
+        weight: &Tensor<B, 1>,
+        eps: f64,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+        lengths: &[usize],
+    ) -> sala_model::Result<Option<Tensor<B, 3>>> {
+        self.inner.rms_norm_rope(x, weight, eps, cos, sin, lengths)
+    }
+
+    fn simple_gla(
+        &self,
+        q: &Tensor<B, 3>,
+        k: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        lengths: &[usize],
+        log_decays: &[f64],
+        scale: f32,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        self.inner.simple_gla(q, k, v, lengths, log_decays, scale)
+    }
+}
+
+/// Where the fast ops take the grouped calls, the runner makes them: one `linears` for q, k, v
+/// (and the minicpm4 output gate), one for the MLP's gate and up, and for minicpm4 one gated
+/// attention; the layer's output and its taps are those of the single ops, bit for bit.
+#[test]
+fn grouped_linears_and_the_gated_attention_change_nothing() {
+    let (config, store) = open("tiny-sala");
+    let options = RunOptions {
+        numerics: Numerics::Bf16Rounding,
+        ..RunOptions::default()
+    };
+    let runner = |ops: &Arc<Grouping>| {
+        let ops: Arc<dyn FastOps<B>> = ops.clone();
+        LayerRunner::<B>::new(config.clone(), Default::default(), options).with_fast_ops(ops)
+    };
+    let (answering, declining) = (
+        Arc::new(Grouping::new(true)),
+        Arc::new(Grouping::new(false)),
+    );
+    let (grouped, single) = (runner(&answering), runner(&declining));
+    let lengths = [9, 4, 4];
+    let pack = single.embed(&store, &ids(17)).unwrap();
+    let mut kinds = std::collections::BTreeSet::new();
+    for layer in 0..config.num_layers() {
+        let weights = LayerWeights::load(&store, &config, layer).unwrap();
+        let run = |r: &LayerRunner<B>| {
+            let mut taps = Vec::new();
+            let out = r
+                .run_pack_from(&weights, pack.clone(), &lengths, |name, x, _| {
+                    taps.push((name.to_owned(), to_vec(x.clone())))
+                })
+                .unwrap();
+            (to_vec(out), taps)
+        };
+        let (want, want_taps) = run(&single);
+        let (got, got_taps) = run(&grouped);
+        let differing = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert!(
+            got.len() == want.len() && differing == 0,
+            "layer {layer}: {differing} of {} outputs differ",
+            want.len()
+        );
+        let names =
+            |taps: &[(String, Vec<f32>)]| taps.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&got_taps), names(&want_taps), "layer {layer}: taps");
+        assert!(
+            got_taps == want_taps,
+            "layer {layer}: a tapped input differs"
+        );
+        let calls = std::mem::take(&mut *answering.calls.lock().unwrap());
+        let expected = match weights.kind {
+            LayerKind::Minicpm4 => vec![4, 0, 2],
+            _ => vec![3, 2],
+        };
+        assert_eq!(calls, expected, "layer {layer} ({:?})", weights.kind);
+        assert!(declining.calls.lock().unwrap().is_empty());
+        kinds.insert(format!("{:?}", weights.kind));
+    }
+    assert!(kinds.len() >= 2, "both kinds of layer ran: {kinds:?}");
+}
