@@ -32,6 +32,10 @@ pub const PRODUCTION_TOKENS: u64 = 1_830_000;
 /// seeded generator: the embedding once, each decoder layer when it is asked for (from a seed
 /// derived from the model's seed and the layer index, so layers do not depend on the order in
 /// which they are generated).
+///
+/// The backend's generator is process-wide (burn seeds it with `Backend::seed`): the weights
+/// repeat from the seed only while no other thread draws random tensors on the same backend
+/// between a layer's seeding and its draws.
 pub struct SyntheticModel<B: Backend> {
     config: SalaConfig,
     seed: u64,
