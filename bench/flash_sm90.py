@@ -3,12 +3,14 @@ on the GPU machine, outside the Rust build: NVRTC (ctypes) compiles it for sm_90
 it on PyTorch tensors, PyTorch in f32 is the reference and PyTorch's bf16 SDPA the peer.
 
     python3 bench/flash_sm90.py [OUT.json] [--source FILE.cu] [--module FILE.ptx]
-                                [--smem BYTES] [--threads N] [--no-checks]
+                                [--smem BYTES] [--threads N] [--ptxas-info]
+                                [--no-checks]
                                 [--speed 1024x16 16384x1 ...]
 
 Prints a table; with OUT.json writes every figure there. `--source` checks another version of
 the kernel (same entry point and arguments), `--smem` its dynamic shared memory and `--threads`
-its block size. `--module` loads a kernel already compiled (PTX or CUBIN, such as the PTX the Rust
+its block size (the kernel's arguments are those of the persistent TMA kernel: K and V as tensor
+maps, then the work list's counter). `--module` loads a kernel already compiled (PTX or CUBIN, such as the PTX the Rust
 build loads: `bench_attention --dump-ptx FILE`) instead of compiling the source. Each check and timing runs under a time limit (`--limit` seconds): a kernel
 that hangs is reported, not waited for."""
 import argparse, ctypes, glob, json, math, os, sys, time
@@ -43,6 +45,8 @@ def compile_cubin():
     src = open(ARGS.source).read().encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"flash_attention_sm90.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math"]
+    if ARGS.ptxas_info:
+        opts.append(b"--ptxas-options=-v")
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
@@ -50,6 +54,8 @@ def compile_cubin():
     lib.nvrtcGetProgramLog(prog, log)
     if rc != 0:
         raise SystemExit(f"nvrtc {name} failed ({rc}):\n{log.value.decode()}")
+    if ARGS.ptxas_info:
+        print(log.value.decode(), flush=True)
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
     cubin = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetCUBIN(prog, cubin)
@@ -72,23 +78,65 @@ def work_list(lengths, group):
     return [x for item, _ in items for x in item]
 
 
+def libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def tensor_map(t):
+    """The kernel's tensor map of a K or V tensor [tokens, kv_heads, 128] bf16 (the encoding
+    `hopper_attention.rs` makes): boxes of 64 × 1 × 128, 128-byte swizzle, zeros past the end.
+    Returned as a 64-byte aligned 128-byte buffer (and the object that owns it)."""
+    raw = ctypes.create_string_buffer(128 + 64)
+    address = (ctypes.addressof(raw) + 63) & ~63
+    dims = (ctypes.c_uint64 * 3)(D, t.shape[1], t.shape[0])
+    strides = (ctypes.c_uint64 * 2)(D * 2, t.shape[1] * D * 2)
+    box = (ctypes.c_uint32 * 3)(64, 1, 128)
+    steps = (ctypes.c_uint32 * 3)(1, 1, 1)
+    # bf16 = 9, no interleave, 128-byte swizzle = 3, L2 promotion 256 B = 3, zeros = 0.
+    rc = LIBCUDA.cuTensorMapEncodeTiled(ctypes.c_void_p(address), 9, 3, ctypes.c_void_p(t.data_ptr()), dims,
+                                        strides, box, steps, 0, 3, 3, 0)
+    if rc != 0:
+        raise SystemExit(f"cuTensorMapEncodeTiled failed: {rc}")
+    return ctypes.c_void_p(address), raw
+
+
 class Kernel:
     def __init__(self):
         path, self.nvrtc = (ARGS.module, "none: " + ARGS.module) if ARGS.module else compile_cubin()
         self.fn = cupy.RawModule(path=path).get_function("sala_flash_attention_sm90")
         self.fn.max_dynamic_shared_size_bytes = ARGS.smem
+        # Tensor maps by (address, shape): encoded once, not inside the timed launches.
+        self.maps = {}
+
+    def tensor_map(self, t):
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in self.maps:
+            self.maps[key] = tensor_map(t)
+        return self.maps[key][0]
 
     def __call__(self, q, k, v, out, lengths, work=None):
         heads, kv_heads = q.shape[1], k.shape[1]
         if work is None:
-            work = torch.tensor(work_list(lengths, heads // kv_heads), dtype=torch.int32, device="cuda")
-        items = work.numel() // 3
-        # The null pointer after `out` is the kernel's optional output gate (not used here).
-        c = lambda t: cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-        self.fn((items * kv_heads,), (ARGS.threads,),
-                (c(q), c(k), c(v), c(out), cupy.uint64(0), c(work), cupy.uint32(items), cupy.uint32(heads),
-                 cupy.uint32(kv_heads), cupy.float32(D ** -0.5 * math.log2(math.e))),
-                shared_mem=ARGS.smem)
+            # The work list, then the unit counter (zero; the kernel sets it back to zero).
+            work = torch.tensor(work_list(lengths, heads // kv_heads) + [0], dtype=torch.int32, device="cuda")
+        items = (work.numel() - 1) // 3
+        # The kernel is persistent: at most one block per multiprocessor, each taking units
+        # (item × KV head) from the counter.
+        units = items * kv_heads
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        grid = min(units, sms)
+        values = [ctypes.c_uint64(q.data_ptr()), self.tensor_map(k), self.tensor_map(v), ctypes.c_uint64(out.data_ptr()),
+                  ctypes.c_uint64(0),  # no output gate
+                  ctypes.c_uint64(work.data_ptr()), ctypes.c_uint64(work.data_ptr() + 4 * 3 * items),
+                  ctypes.c_uint32(items), ctypes.c_uint32(heads), ctypes.c_uint32(kv_heads),
+                  ctypes.c_float(D ** -0.5 * math.log2(math.e))]
+        params = (ctypes.c_void_p * len(values))(
+            *[v if isinstance(v, ctypes.c_void_p) else ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        rc = LIBCUDA.cuLaunchKernel(ctypes.c_void_p(self.fn.kernel.ptr), grid, 1, 1, ARGS.threads, 1, 1, ARGS.smem,
+                                    stream, params, None)
+        if rc != 0:
+            raise SystemExit(f"cuLaunchKernel failed: {rc}")
         return work
 
 
@@ -197,10 +245,12 @@ if __name__ == "__main__":
     parser.add_argument("--smem", type=int, default=SMEM)
     parser.add_argument("--threads", type=int, default=384)
     parser.add_argument("--limit", type=float, default=60.0)
+    parser.add_argument("--ptxas-info", action="store_true", help="print ptxas' register and spill report")
     parser.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
     parser.add_argument("--speed", nargs="*", default=["1024x16", "16384x1", "131072x1"],
                         help="timed cases, LENGTHxCOUNT (32 query and 2 KV heads)")
     ARGS = parser.parse_args()
+    LIBCUDA = libcuda()
     # Checked before any compile or check runs: `--speed` takes every word after it, so an
     # OUT.json written last would otherwise fail only after the checks.
     for case in ARGS.speed:

@@ -1,13 +1,16 @@
 // Causal grouped-query flash attention for Hopper (sm_90a): both products on the warpgroup
 // tensor-core instructions (`wgmma.mma_async`), FlashAttention-3's warp-specialized ping-pong
-// schedule, K/V tiles staged by `cp.async` three deep.
+// schedule, K/V tiles staged three deep by the tensor memory accelerator (TMA), persistent
+// blocks that take their work from a counter.
 //
 // Compiled at run time by NVRTC for `sm_90a` (see `hopper_attention.rs`); no headers: bf16
 // values travel as raw 16-bit patterns and are converted by PTX.
 //
 // Contract (that of `causal_gqa_attention` in `attention.rs`, bf16, head_dim 128):
 //   q, out [tokens, heads, 128]; k, v [tokens, kv_heads, 128], row-major, sequences back to
-//   back; query head h reads KV head h / group (group = heads / kv_heads);
+//   back, given as tensor maps (`hopper_attention.rs` encodes them: 3-D, dims 128, kv_heads,
+//   tokens, boxes of 64 × 1 × KEYS, 128-byte swizzle, zeros past the end); query head h reads
+//   KV head h / group (group = heads / kv_heads);
 //   out[t, h] = softmax_j(scale · q[t, h]·k[j, h/group]) · v[j, h/group] over the keys j <= t
 //   of t's sequence.
 //   With a `gate` [tokens, heads, 128] (else a null pointer), the output is gated as the
@@ -16,19 +19,31 @@
 //
 // Tiling. A *row* is one (token, query head) pair; for KV head kv the rows of one sequence are
 // numbered group-major, f = token · group + j for query head kv · group + j, so one staged K/V
-// tile serves the whole group. A block owns ROWS = 128 consecutive rows of one sequence and one
-// KV head (a work item: [sequence start, sequence length, first row], block b taking item
-// b / kv_heads and KV head b % kv_heads). Tiles of KEYS = 128 keys run from the sequence's
-// first key to the block's last token (tiles above the diagonal are never read).
+// tile serves the whole group. A *unit* is ROWS = 128 consecutive rows of one sequence and one
+// KV head (unit u: work item u / kv_heads, [sequence start, sequence length, first row], and
+// KV head u % kv_heads; the items come longest first). Tiles of KEYS = 128 keys run from the
+// sequence's first key to the unit's last token (tiles above the diagonal are never read).
+//
+// The kernel is persistent: the grid is at most one block per multiprocessor. Block b takes
+// unit b first, then the next unit of a counter in global memory (`fetch_unit`; the launch's
+// last fetch sets it back to zero), so units still start longest first and a block that
+// finishes early takes more, as the hardware's block scheduler would. The producer stages the
+// next unit's Q and first K tile while the consumers finish the unit before (its last product
+// and its output), so neither a block's launch nor its pipeline's filling is paid per unit.
+// The K and V rings run on across units; Q has an empty barrier of its own, released once
+// both consumers' last scores of a unit have read it, and the unit's index reaches the
+// consumers through a shared-memory slot and a barrier of its own.
 //
 // Schedule: 384 threads, three warpgroups.
-//   - Warpgroup 2 is the producer (`setmaxnreg.dec` to 40 registers). It copies Q, then K(0),
-//     then K(t + 1) before V(t), each into stage t % 3 of its own ring (`cp.async`) once both
-//     consumers released that stage (`mbarrier` empty, 256 arrivals). Each copy's `mbarrier`
-//     full completes when the producer's 128 threads' copies so far have landed
-//     (`cp.async.mbarrier.arrive.noinc`): the producer never waits on its own copies. K and V
-//     have rings and barriers of their own because K(t) is read one turn before V(t); each
-//     stage is refilled as soon as its own reader is done, two turns ahead of its use.
+//   - Warpgroup 2 is the producer (`setmaxnreg.dec` to 40 registers). Its 128 threads copy a
+//     unit's Q (`cp.async`, Q's full barrier); then its thread 0 alone stages K(0), then
+//     K(t + 1) before V(t), each into the next stage of its own ring once both consumers
+//     released that stage (`mbarrier` empty, 256 arrivals), as two TMA copies that complete
+//     the stage's full barrier (transaction bytes) when they land. K and V have rings and
+//     barriers of their own because K(t) is read one turn before V(t); each stage is refilled
+//     as soon as its own reader is done, two turns ahead of its use.
+//     (With `cp.async` from 128 threads, ncu showed the consumers waiting for K and V in every
+//     turn: those copies could not keep enough bytes in flight.)
 //   - Warpgroups 0 and 1 are the consumers (`setmaxnreg.inc` to 232), 64 rows each (the M of
 //     their products). Turn t issues S(t) = Q·K(t)ᵀ and O += P(t-1)·V(t-1) as two `wgmma`
 //     groups (S and O f32 in registers, Q, K, V from shared memory, P from registers). Once
@@ -53,8 +68,9 @@
 // tile of R rows × 128 bf16 is two halves (columns 0..63, 64..127) of R rows × 128 bytes,
 // the 16-byte chunk c of row r stored at chunk c ^ (r % 8) of that row.
 //
-// Compiler report (NVRTC 13, `ptxas -arch=sm_90a -v`): 168 registers at entry, no spills, no
-// serialized `wgmma` (warning C7513), 32 HGMMA in the SASS.
+// Compiler report (NVRTC 13 with `--ptxas-options=-v`, `bench/flash_sm90.py --ptxas-info`):
+// 168 registers at entry, 12 bytes of spill stores (ncu counts one store per thread, at the
+// start), no serialized `wgmma` (warning C7513).
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -211,29 +227,59 @@ __device__ __forceinline__ void turn_pass(u32 id) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
-/// Stages keys `tile·KEYS ..` of KV head `kv` of `x` (K or V) into the tile at `dst`, the
-/// producer's thread `t` of 128 taking 16-byte chunk `t % 16` of keys `t / 16 + 8j`; keys past
-/// the sequence read its last key (masked later), so every staged value is defined. A thread's
-/// chunk, and so its swizzled column, is the same for all its keys.
-__device__ __forceinline__ void stage(const bf16_t* __restrict__ x, u32 dst, u32 tile, u32 t,
-                                      u32 seq_start, u32 seq_len, u32 kv_heads, u32 kv) {
-  const u32 chunk = t & 15, r0 = t >> 4;
-  const u32 dst0 = dst + (chunk >> 3) * KEYS * 128 + r0 * 128 + (((chunk & 7) ^ r0) << 4);
-  const u64 stride = static_cast<u64>(kv_heads) * HEAD_DIM;
-  const bf16_t* src0 = x + (static_cast<u64>(seq_start) * kv_heads + kv) * HEAD_DIM + chunk * 8;
-  const u32 first = tile * KEYS + r0;
-  if (tile * KEYS + KEYS <= seq_len) {
-    const bf16_t* src = src0 + first * stride;
-#pragma unroll 8
-    for (u32 j = 0; j < KEYS / 8; ++j) cp_async16(dst0 + j * 1024, src + j * 8 * stride);
-  } else {
-#pragma unroll 4
-    for (u32 j = 0; j < KEYS / 8; ++j) {
-      const u32 key = min(first + 8 * j, seq_len - 1);
-      cp_async16(dst0 + j * 1024, src0 + key * stride);
+/// A CUDA tensor map (`CUtensorMap`, 128 opaque bytes) passed by value as a `__grid_constant__`
+/// parameter: the tensor copies read it where it lies in parameter space.
+struct __align__(64) TensorMap {
+  u64 opaque[16];
+};
+
+/// Arrives on the barrier and adds `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+
+/// Copies the box at coordinates (`c0`, `c1`, `c2`) of the tensor `map` describes into shared
+/// memory at `dst` (the tensor engine, in the swizzled layout the map names); the barrier's
+/// transaction count falls by the box's bytes once they have landed.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap& map, int c0, int c1, int c2,
+                                            u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+/// Stages keys `first ..first + KEYS` of KV head `kv` (K or V; `map` describes the [tokens,
+/// kv_heads, 128] tensor in boxes of 64 dims × 1 head × KEYS keys with the 128-byte swizzle)
+/// into the tile at `dst`: its two 64-column halves, KEYS·128 bytes apart, one tensor-engine
+/// copy each, which complete the `full` barrier's phase once both have landed. Keys past the
+/// tensor read as zeros; keys past the sequence are masked by the softmax.
+__device__ __forceinline__ void stage_tile(const TensorMap& map, u32 dst, u32 first, u32 kv,
+                                           u32 full) {
+  mbar_expect(full, TILE_BYTES);
+  tma_load_3d(dst, map, 0, kv, first, full);
+  tma_load_3d(dst + KEYS * 128, map, 64, kv, first, full);
+}
+
+/// The producer warpgroup's own barrier (id 3, 128 threads).
+__device__ __forceinline__ void producer_sync() {
+  asm volatile("bar.sync 3, 128;\n" ::: "memory");
+}
+
+/// A ring position: the stage a tile goes to and the parity of that stage's current phase.
+struct Ring {
+  u32 stage = 0, phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
     }
   }
-}
+};
 
 /// The online softmax of one tile's scores `s`, in place (base 2, keys past a row's token
 /// masked): the rows' maxima and sums updated, `alpha0`, `alpha1` the factors that bring the
@@ -342,72 +388,127 @@ __device__ __forceinline__ void values(float (&o)[64], const u32 (&p)[8][4], u32
   for (u32 j = 0; j < 8; ++j) wgmma_rs(o, p[j], descriptor(sv + j * 16 * 128, KEYS * 128, 1024));
 }
 
+/// A unit of work: ROWS rows of one sequence for one KV head.
+struct Unit {
+  u32 seq_start, seq_len, f0, kv, rows, first_token, tiles;
+};
+
+__device__ __forceinline__ Unit unit_at(const u32* __restrict__ work, u32 unit, u32 kv_heads,
+                                        u32 group) {
+  Unit w;
+  const u32 item = unit / kv_heads;
+  w.kv = unit % kv_heads;
+  w.seq_start = work[3 * item];
+  w.seq_len = work[3 * item + 1];
+  w.f0 = work[3 * item + 2];
+  w.rows = w.seq_len * group;
+  w.first_token = w.f0 / group;
+  const u32 last_token = (min(w.f0 + ROWS, w.rows) - 1) / group;
+  w.tiles = last_token / KEYS + 1;
+  return w;
+}
+
+/// The next unit for a block of `blocks`: units are handed out in order (longest first) by an
+/// atomic counter, `blocks` plus the fetches so far (block b starts with unit b). Every block
+/// fetches until it is handed a unit past the last, one each: the fetch that returns the last
+/// of those (`units - 1` fetches before it) is the launch's last, and sets the counter back to
+/// zero for the next launch.
+__device__ __forceinline__ u32 fetch_unit(u32* next, u32 units, u32 blocks) {
+  const u32 fetched = atomicAdd(next, 1u);
+  if (fetched == units - 1) atomicExch(next, 0u);
+  return blocks + fetched;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    sala_flash_attention_sm90(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                              const bf16_t* __restrict__ v, bf16_t* __restrict__ out,
+    sala_flash_attention_sm90(const bf16_t* __restrict__ q, const __grid_constant__ TensorMap k_map,
+                              const __grid_constant__ TensorMap v_map, bf16_t* __restrict__ out,
                               const bf16_t* __restrict__ gate, const u32* __restrict__ work,
-                              u32 items, u32 heads, u32 kv_heads, float scale_log2) {
+                              u32* next_unit, u32 items, u32 heads, u32 kv_heads,
+                              float scale_log2) {
   extern __shared__ unsigned char smem[];
   const u32 base = (shared_address(smem) + 1023u) & ~1023u;
-  // Q, K stages, V stages (tile t in stage t % STAGES), then the barriers: full (the
-  // producer's 128 threads' copies have landed) and empty (the consumers' 256 threads are
-  // done reading), for K and for V.
+  // Q, K stages, V stages, then the barriers: full (the tile has landed) and empty (the
+  // consumers' 256 threads are done reading) for each K and V stage; Q's full (the producer's
+  // 128 threads' copies have landed) and empty; the unit barrier (the unit's index is in its
+  // slot); and the two slots.
   const u32 sq = base, sk0 = base + TILE_BYTES, sv0 = base + (1 + STAGES) * TILE_BYTES;
   const u32 bars = base + (1 + 2 * STAGES) * TILE_BYTES;
   // K and V have barriers of their own: K(t) is read in turn t and V(t) in turn t + 1, so each
   // stage is refilled as soon as its own reader is done.
   const u32 full_k = bars, full_v = bars + 8 * STAGES, empty_k = bars + 16 * STAGES,
-            empty_v = bars + 24 * STAGES;
+            empty_v = bars + 24 * STAGES, full_q = bars + 32 * STAGES,
+            empty_q = full_q + 8, unit_ready = full_q + 16;
+  volatile u32* slots = reinterpret_cast<volatile u32*>(
+      smem + (unit_ready + 8 - shared_address(smem)));
 
-  const u32 item = blockIdx.x / kv_heads, kv = blockIdx.x % kv_heads;
-  if (item >= items) return;
-  const u32 seq_start = work[3 * item], seq_len = work[3 * item + 1], f0 = work[3 * item + 2];
-  const u32 group = heads / kv_heads;
-  const u32 rows = seq_len * group;
-  const u32 first_token = f0 / group;
-  const u32 last_token = (min(f0 + ROWS, rows) - 1) / group;
-  const u32 tiles = last_token / KEYS + 1;
+  const u32 units = items * kv_heads, group = heads / kv_heads;
+  if (blockIdx.x >= units) return;
 
   if (threadIdx.x == 0) {
     for (u32 s = 0; s < STAGES; ++s) {
-      mbar_init(full_k + 8 * s, 128);
-      mbar_init(full_v + 8 * s, 128);
+      mbar_init(full_k + 8 * s, 1);
+      mbar_init(full_v + 8 * s, 1);
       mbar_init(empty_k + 8 * s, 256);
       mbar_init(empty_v + 8 * s, 256);
     }
+    mbar_init(full_q, 128);
+    mbar_init(empty_q, 256);
+    mbar_init(unit_ready, 1);
+    // The barriers' initialization, visible to the tensor engine's completions.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   const u32 warpgroup = threadIdx.x >> 7;
   if (warpgroup == 2) {
-    // Producer: Q, K(0), then K(t + 1) before V(t): the order the consumers read them in.
-    // A stage is refilled once both consumers released it; its full barrier completes once
-    // every producer thread's copies into it have landed.
+    // Producer. Per unit: thread 0 publishes the unit's index (slot and unit barrier) and
+    // fetches the next one (its latency hidden behind this unit); all 128 threads copy Q
+    // (`cp.async`) once both consumers' last scores of the unit before have read it; then
+    // thread 0 alone stages K(0), then K(t + 1) before V(t) (the order the consumers read
+    // them in), each into the next stage of its ring once both consumers released it, as two
+    // tensor-engine copies that complete the stage's full barrier when they land. The other
+    // threads wait at the warpgroup's barrier meanwhile instead of spinning.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     const u32 t = threadIdx.x - 256;
-    for (u32 i = t; i < ROWS * 16; i += 128) {
-      const u32 r = i >> 4, chunk = i & 15;
-      const u32 f = min(f0 + r, rows - 1);
-      const u64 at =
-          (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM +
-          chunk * 8;
-      cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
-    }
-    for (u32 tile = 0; tile < tiles; ++tile) {
-      if (tile == 0) {
-        stage(k, sk0, 0, t, seq_start, seq_len, kv_heads, kv);
-        cp_async_arrive(full_k);
+    Ring ring_k, ring_v;
+    // Thread 0's: this round's unit and the next.
+    u32 unit = blockIdx.x, next = units;
+    for (u32 round = 0;; ++round) {
+      if (t == 0) {
+        if (round > 0) mbar_wait(empty_q, (round - 1) & 1);
+        slots[round & 1] = unit;
+        mbar_arrive(unit_ready);
+        if (unit < units) next = fetch_unit(next_unit, units, gridDim.x);
       }
-      if (tile + 1 < tiles) {
-        const u32 n = tile + 1, s = n % STAGES;
-        if (n >= STAGES) mbar_wait(empty_k + 8 * s, (n / STAGES - 1) & 1);
-        stage(k, sk0 + s * TILE_BYTES, n, t, seq_start, seq_len, kv_heads, kv);
-        cp_async_arrive(full_k + 8 * s);
+      producer_sync();
+      const u32 current = slots[round & 1];
+      if (current >= units) break;
+      const Unit w = unit_at(work, current, kv_heads, group);
+      for (u32 i = t; i < ROWS * 16; i += 128) {
+        const u32 r = i >> 4, chunk = i & 15;
+        const u32 f = min(w.f0 + r, w.rows - 1);
+        const u64 at = (static_cast<u64>(w.seq_start + f / group) * heads + w.kv * group +
+                        f % group) * HEAD_DIM + chunk * 8;
+        cp_async16(sq + swizzled(ROWS, r, chunk), q + at);
       }
-      const u32 s = tile % STAGES;
-      if (tile >= STAGES) mbar_wait(empty_v + 8 * s, (tile / STAGES - 1) & 1);
-      stage(v, sv0 + s * TILE_BYTES, tile, t, seq_start, seq_len, kv_heads, kv);
-      cp_async_arrive(full_v + 8 * s);
+      cp_async_arrive(full_q);
+      if (t == 0) {
+        const u32 first = w.seq_start;
+        for (u32 tile = 0; tile < w.tiles; ++tile) {
+          for (u32 n = tile == 0 ? 0 : tile + 1; n <= tile + 1 && n < w.tiles; ++n) {
+            mbar_wait(empty_k + 8 * ring_k.stage, ring_k.phase ^ 1);
+            stage_tile(k_map, sk0 + ring_k.stage * TILE_BYTES, first + n * KEYS, w.kv,
+                       full_k + 8 * ring_k.stage);
+            ring_k.advance();
+          }
+          mbar_wait(empty_v + 8 * ring_v.stage, ring_v.phase ^ 1);
+          stage_tile(v_map, sv0 + ring_v.stage * TILE_BYTES, first + tile * KEYS, w.kv,
+                     full_v + 8 * ring_v.stage);
+          ring_v.advance();
+        }
+      }
+      if (t == 0) unit = next;
+      producer_sync();
     }
     // Not leave with copies in flight.
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -421,118 +522,143 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   if (warpgroup == 1) turn_pass(other);  // warpgroup 0 goes first
 
   const u32 lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const u32 row0 = warpgroup * 64 + warp * 16 + (lane >> 2);
-  const u32 token0 = min(f0 + row0, rows - 1) / group;
-  const u32 token1 = min(f0 + row0 + 8, rows - 1) / group;
+  const u32 row_in_block = warpgroup * 64 + warp * 16 + (lane >> 2);
   const u32 column = 2 * (lane & 3);
   const u32 q_rows = sq + warpgroup * 64 * 128;
+  Ring ring_k, ring_v;
 
-  float o[64], alpha0, alpha1;
-  u32 p[8][4];
+  for (u32 round = 0;; ++round) {
+    mbar_wait(unit_ready, round & 1);
+    const u32 unit = slots[round & 1];
+    if (unit >= units) {
+      // Warpgroup 1 passed the turn after its last product; nobody else takes it.
+      if (warpgroup == 0) turn_wait(mine);
+      break;
+    }
+    const Unit w = unit_at(work, unit, kv_heads, group);
+    const u32 row0 = w.f0 + row_in_block;
+    const u32 token0 = min(row0, w.rows - 1) / group;
+    const u32 token1 = min(row0 + 8, w.rows - 1) / group;
+
+    float o[64], alpha0, alpha1;
+    u32 p[8][4];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-  float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float max0 = NEG_INF, max1 = NEG_INF, sum0 = 0.0f, sum1 = 0.0f;
 
-  // Whether O must be brought to the maxima of the last softmax before its P·V is added:
-  // done while the next scores are on the tensor cores (FlashAttention-3's order), and
-  // skipped when no row of the warp moved its maximum.
-  bool pending_rescale = false;
+    // Whether O must be brought to the maxima of the last softmax before its P·V is added:
+    // done while the next scores are on the tensor cores (FlashAttention-3's order), and
+    // skipped when no row of the warp moved its maximum.
+    bool pending_rescale = false;
 
-  // Turn 0: S(0) only.
-  {
-  float s[64];
-  mbar_wait(full_k, 0);
-  fence_proxy_async();
-  turn_wait(mine);
-  wgmma_fence();
-  scores(s, q_rows, sk0);
-  wgmma_commit();
-  turn_pass(other);
-  wgmma_wait_all();
-  fence_operands(s);
-  mbar_arrive(empty_k);
-  // O is still zero: nothing to rescale.
-  softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, 0, first_token, token0, token1,
-               column, scale_log2);
-  pack_p(s, p);
-  }
-  for (u32 turn = 1; turn < tiles; ++turn) {
-    mbar_wait(full_k + 8 * (turn % STAGES), (turn / STAGES) & 1);
-    mbar_wait(full_v + 8 * ((turn - 1) % STAGES), ((turn - 1) / STAGES) & 1);
+    // Turn 0: S(0) only. Q was written by `cp.async` (the generic proxy): fenced before the
+    // tensor cores read it.
+    mbar_wait(full_q, round & 1);
     fence_proxy_async();
-    // S is fresh each turn: no register the products read is written by anything else
-    // while they run (ptxas would serialize them).
-    float s[64];
+    {
+      float s[64];
+      mbar_wait(full_k + 8 * ring_k.stage, ring_k.phase);
+      turn_wait(mine);
+      wgmma_fence();
+      scores(s, q_rows, sk0 + ring_k.stage * TILE_BYTES);
+      wgmma_commit();
+      turn_pass(other);
+      wgmma_wait_all();
+      fence_operands(s);
+      mbar_arrive(empty_k + 8 * ring_k.stage);
+      if (w.tiles == 1) mbar_arrive(empty_q);
+      ring_k.advance();
+      // O is still zero: nothing to rescale.
+      softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, 0, w.first_token, token0, token1,
+                   column, scale_log2);
+      pack_p(s, p);
+    }
+    for (u32 turn = 1; turn < w.tiles; ++turn) {
+      const u32 stage_k = ring_k.stage, stage_v = ring_v.stage;
+      mbar_wait(full_k + 8 * stage_k, ring_k.phase);
+      mbar_wait(full_v + 8 * stage_v, ring_v.phase);
+      // S is fresh each turn: no register the products read is written by anything else
+      // while they run (ptxas would serialize them).
+      float s[64];
+      turn_wait(mine);
+      wgmma_fence();
+      scores(s, q_rows, sk0 + stage_k * TILE_BYTES);
+      wgmma_commit();
+      // O (which S(t) does not touch) to P(t-1)'s maxima, while S(t) runs.
+      if (pending_rescale) rescale(o, alpha0, alpha1);
+      wgmma_fence();
+      values(o, p, sv0 + stage_v * TILE_BYTES);
+      wgmma_commit();
+      turn_pass(other);
+      // S(t) is done while O += P(t-1)·V(t-1) may still run: the softmax overlaps it.
+      wgmma_wait<1>();
+      fence_operands(s);
+      mbar_arrive(empty_k + 8 * stage_k);
+      if (turn + 1 == w.tiles) mbar_arrive(empty_q);
+      ring_k.advance();
+      pending_rescale = softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, turn,
+                                     w.first_token, token0, token1, column, scale_log2);
+      wgmma_wait<0>();
+      fence_operands(o);
+      mbar_arrive(empty_v + 8 * stage_v);
+      ring_v.advance();
+      pack_p(s, p);
+    }
+    // The gate's values for this thread's outputs, loaded before the last product so that
+    // their latency overlaps it (S's registers are free by now); rows past the sequence read
+    // its last row and are never stored.
+    u32 gate_pairs[2][16];
+    if (gate != nullptr) {
+#pragma unroll
+      for (u32 half = 0; half < 2; ++half) {
+        const u32 f = min(row0 + 8 * half, w.rows - 1);
+        const u64 row =
+            static_cast<u64>(w.seq_start + f / group) * heads + w.kv * group + f % group;
+        const bf16_t* src = gate + row * HEAD_DIM;
+#pragma unroll
+        for (u32 i = 0; i < 16; ++i)
+          gate_pairs[half][i] = *reinterpret_cast<const u32*>(src + 8 * i + column);
+      }
+    }
+    // Last turn: O += P·V of the last tile. Warpgroup 1's pass is taken by warpgroup 0's next
+    // unit, or by its exit.
+    const u32 stage_v = ring_v.stage;
+    mbar_wait(full_v + 8 * stage_v, ring_v.phase);
     turn_wait(mine);
-    wgmma_fence();
-    scores(s, q_rows, sk0 + (turn % STAGES) * TILE_BYTES);
-    wgmma_commit();
-    // O (which S(t) does not touch) to P(t-1)'s maxima, while S(t) runs.
     if (pending_rescale) rescale(o, alpha0, alpha1);
     wgmma_fence();
-    values(o, p, sv0 + ((turn - 1) % STAGES) * TILE_BYTES);
+    values(o, p, sv0 + stage_v * TILE_BYTES);
     wgmma_commit();
     turn_pass(other);
-    // S(t) is done while O += P(t-1)·V(t-1) may still run: the softmax overlaps it.
-    wgmma_wait<1>();
-    fence_operands(s);
-    mbar_arrive(empty_k + 8 * (turn % STAGES));
-    pending_rescale = softmax_tile(s, alpha0, alpha1, max0, max1, sum0, sum1, turn,
-                                   first_token, token0, token1, column, scale_log2);
-    wgmma_wait<0>();
+    wgmma_wait_all();
     fence_operands(o);
-    mbar_arrive(empty_v + 8 * ((turn - 1) % STAGES));
-    pack_p(s, p);
-  }
-  // The gate's values for this thread's outputs, loaded before the last product so that
-  // their latency overlaps it (S's registers are free by now); rows past the sequence read
-  // its last row and are never stored.
-  u32 gate_pairs[2][16];
-  if (gate != nullptr) {
+    mbar_arrive(empty_v + 8 * stage_v);
+    ring_v.advance();
+
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+    const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
 #pragma unroll
     for (u32 half = 0; half < 2; ++half) {
-      const u32 f = min(f0 + row0 + 8 * half, rows - 1);
-      const u64 row = static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group;
-      const bf16_t* src = gate + row * HEAD_DIM;
+      const u32 f = row0 + 8 * half;
+      if (f >= w.rows) continue;
+      const float inv = half ? inv1 : inv0;
+      const u64 at =
+          (static_cast<u64>(w.seq_start + f / group) * heads + w.kv * group + f % group) *
+          HEAD_DIM;
 #pragma unroll
-      for (u32 i = 0; i < 16; ++i)
-        gate_pairs[half][i] = *reinterpret_cast<const u32*>(src + 8 * i + column);
-    }
-  }
-  // Last turn: O += P·V of the last tile. Warpgroup 1's pass would have no taker.
-  mbar_wait(full_v + 8 * ((tiles - 1) % STAGES), ((tiles - 1) / STAGES) & 1);
-  fence_proxy_async();
-  turn_wait(mine);
-  if (pending_rescale) rescale(o, alpha0, alpha1);
-  wgmma_fence();
-  values(o, p, sv0 + ((tiles - 1) % STAGES) * TILE_BYTES);
-  wgmma_commit();
-  if (warpgroup == 0) turn_pass(other);
-  wgmma_wait_all();
-  fence_operands(o);
-
-  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
-  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
-  const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
-#pragma unroll
-  for (u32 half = 0; half < 2; ++half) {
-    const u32 f = f0 + row0 + 8 * half;
-    if (f >= rows) continue;
-    const float inv = half ? inv1 : inv0;
-    const u64 at =
-        (static_cast<u64>(seq_start + f / group) * heads + kv * group + f % group) * HEAD_DIM;
-#pragma unroll
-    for (u32 i = 0; i < 16; ++i) {
-      u32 pair = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
-      if (gate != nullptr) {
-        const float2 a = unpack_bf16(pair);
-        const float2 g = unpack_bf16(gate_pairs[half][i]);
-        const float2 s = unpack_bf16(pack_bf16(sigmoid(g.x), sigmoid(g.y)));
-        pair = pack_bf16(a.x * s.x, a.y * s.y);
+      for (u32 i = 0; i < 16; ++i) {
+        u32 pair = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+        if (gate != nullptr) {
+          const float2 a = unpack_bf16(pair);
+          const float2 g = unpack_bf16(gate_pairs[half][i]);
+          const float2 s = unpack_bf16(pack_bf16(sigmoid(g.x), sigmoid(g.y)));
+          pair = pack_bf16(a.x * s.x, a.y * s.y);
+        }
+        *reinterpret_cast<u32*>(out + at + 8 * i + column) = pair;
       }
-      *reinterpret_cast<u32*>(out + at + 8 * i + column) = pair;
     }
   }
 }

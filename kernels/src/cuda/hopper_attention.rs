@@ -8,9 +8,11 @@
 //! warpgroup products (`wgmma.mma_async`), which only exist for compute capability 9.0 with
 //! the architecture-specific target. Both products run on `wgmma` (`HGMMA` in the SASS), S
 //! and P stay in registers. FlashAttention-3's schedule: a producer warpgroup stages the K/V
-//! tiles (`cp.async`, three deep, `mbarrier`s) while two consumer warpgroups take turns on the
-//! tensor cores, one's softmax running while the other's products do (and while its own
-//! P·V product does). The output accumulators are rescaled lazily (FlashAttention-4): a row
+//! tiles (the tensor memory accelerator, three deep, `mbarrier`s; K and V are passed as tensor
+//! maps, `KvTensorMap`) while two consumer warpgroups take turns on the tensor cores, one's
+//! softmax running while the other's products do (and while its own P·V product does). The
+//! blocks are persistent, at most one per multiprocessor, and take their units of work (128
+//! rows of one KV head, longest first) from a counter after the work list. The output accumulators are rescaled lazily (FlashAttention-4): a row
 //! keeps its running maximum until a tile's exceeds it by more than a factor 2⁸, so most turns
 //! of a long row skip the rescaling.
 //!
@@ -21,8 +23,11 @@
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{
+    CUevent_flags, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaFunction, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::CompileOptions;
 
 use super::{
@@ -52,6 +57,58 @@ const THREADS: u32 = 384;
 /// each), 128 bytes of `mbarrier`s, and 1024 bytes to align the tiles to the swizzle pattern.
 const SHARED_BYTES: u32 = 7 * 128 * 128 * 2 + 128 + 1024;
 
+/// A CUDA tensor map of a K or V buffer, `[tokens, kv_heads, HOPPER_HEAD_DIM]` bf16: what the
+/// kernel's tensor-memory-accelerator copies read, by value as a kernel parameter.
+#[repr(transparent)]
+struct KvTensorMap(CUtensorMap);
+
+// SAFETY: `CUtensorMap` is plain data (128 bytes, 64-byte aligned) that the kernel takes by
+// value (`const __grid_constant__ TensorMap`, the same size and alignment).
+unsafe impl DeviceRepr for KvTensorMap {}
+
+impl KvTensorMap {
+    /// The map of the buffer at device address `address`: three dimensions (head dimension,
+    /// KV head, token), boxes of 64 × 1 × 128 elements (a tile half: 128 keys of 128 bytes),
+    /// the 128-byte swizzle of the kernel's tiles, zeros read past the end. `what` names the
+    /// map in errors.
+    fn new(
+        address: u64,
+        tokens: usize,
+        kv_heads: usize,
+        what: &'static str,
+    ) -> Result<Self, KernelError> {
+        let element = size_of::<half::bf16>() as u64;
+        let dims = [HOPPER_HEAD_DIM as u64, kv_heads as u64, tokens as u64];
+        let strides = [dims[0] * element, dims[0] * dims[1] * element];
+        let boxes = [64u32, 1, 128];
+        let steps = [1u32; 3];
+        let mut map = std::mem::MaybeUninit::<CUtensorMap>::uninit();
+        // SAFETY: every pointer is to a live local of the length the call reads (three
+        // dimensions, two strides, three box sizes and steps) and `map` is written by it; the
+        // driver checks the address's alignment, the sizes and the strides (`check_inputs`
+        // checked the buffer against them) and returns an error for what it refuses.
+        let result = unsafe {
+            cudarc::driver::sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3,
+                address as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        result.result().map_err(|e| driver_error(what, e))?;
+        // SAFETY: the call succeeded, so it wrote the map.
+        Ok(Self(unsafe { map.assume_init() }))
+    }
+}
+
 /// The Hopper attention kernel, compiled and loaded on one device.
 #[derive(Debug)]
 pub struct HopperAttention {
@@ -59,6 +116,8 @@ pub struct HopperAttention {
     function: CudaFunction,
     /// The PTX NVRTC produced, kept to compare builds of the same source.
     ptx: String,
+    /// The device's multiprocessors: the persistent kernel's largest grid (one block fills one).
+    multiprocessors: u32,
 }
 
 // SAFETY: the function handle belongs to the module held by the context, which CUDA lets any
@@ -90,6 +149,12 @@ impl HopperAttention {
                 ));
             }
             require_shared_optin(ctx, "Hopper attention device", SHARED_BYTES)?;
+            let multiprocessors = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(|e| driver_error("Hopper attention (multiprocessors)", e))?
+                .max(1) as u32;
             let options = CompileOptions {
                 arch: Some("sm_90a"),
                 options: vec!["-std=c++17".into()],
@@ -103,6 +168,7 @@ impl HopperAttention {
                 lib,
                 function,
                 ptx: ptx_text,
+                multiprocessors,
             })
         })
     }
@@ -204,12 +270,16 @@ impl HopperAttention {
                 ),
             ));
         }
-        let work = work_list(offsets, shape.group(), HOPPER_ROWS_PER_BLOCK);
+        let mut work = work_list(offsets, shape.group(), HOPPER_ROWS_PER_BLOCK);
         let items = work.len() / 3;
         if items == 0 {
             return Ok(None);
         }
-        let blocks = items
+        // The kernel is persistent: block b takes unit (item, KV head) b, then the next one of
+        // a counter, so one block per multiprocessor covers them all. The counter is the word
+        // after the work list, zero at each launch.
+        work.push(0);
+        let units = items
             .checked_mul(shape.kv_heads)
             .and_then(|b| u32::try_from(b).ok())
             .filter(|&b| b <= i32::MAX as u32)
@@ -219,6 +289,7 @@ impl HopperAttention {
                     format!("{items} work items × {} KV heads", shape.kv_heads),
                 )
             })?;
+        let blocks = units.min(self.multiprocessors);
         // `check_inputs` bounded the token count by 32-bit indexing: these fit.
         let (items, heads, kv_heads) = (items as u32, shape.heads as u32, shape.kv_heads as u32);
         let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
@@ -226,8 +297,20 @@ impl HopperAttention {
         // upload (on this stream) do not depend on CubeCL's queued work: done first, they
         // overlap it, and only the launch waits for it.
         self.lib.bind()?;
-        let (q, k) = (handle_ptr(client, q)?, handle_ptr(client, k)?);
-        let (v, out) = (handle_ptr(client, v)?, handle_ptr(client, out)?);
+        let (q, out) = (handle_ptr(client, q)?, handle_ptr(client, out)?);
+        let tokens = offsets.last().copied().unwrap_or(0);
+        let k = KvTensorMap::new(
+            handle_ptr(client, k)?,
+            tokens,
+            shape.kv_heads,
+            "Hopper attention (K's tensor map)",
+        )?;
+        let v = KvTensorMap::new(
+            handle_ptr(client, v)?,
+            tokens,
+            shape.kv_heads,
+            "Hopper attention (V's tensor map)",
+        )?;
         // A null pointer: no gate.
         let gate = gate
             .map(|g| handle_ptr(client, g))
@@ -238,6 +321,10 @@ impl HopperAttention {
             let work = stream
                 .clone_htod(&work)
                 .map_err(|e| driver_error("Hopper attention (work list)", e))?;
+            let next_unit = {
+                let (list, _sync) = work.device_ptr(stream);
+                list + 3 * u64::from(items) * size_of::<u32>() as u64
+            };
             sync_client(client)?;
             let config = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
@@ -252,6 +339,7 @@ impl HopperAttention {
                 .arg(&out)
                 .arg(&gate)
                 .arg(&work)
+                .arg(&next_unit)
                 .arg(&items)
                 .arg(&heads)
                 .arg(&kv_heads)
@@ -263,13 +351,15 @@ impl HopperAttention {
                     .map_err(|e| driver_error(what, e))
             };
             let start = event("Hopper attention (start event)")?;
-            // SAFETY: the arguments match the kernel's signature (four bf16 pointers, the gate's
-            // pointer or null, the work list, three u32 and an f32); every index it forms
-            // stays inside its buffer: `check_inputs` checked the buffers against the shape
-            // and the offsets (and the gate was checked to be as large as the output),
+            // SAFETY: the arguments match the kernel's signature (q's pointer, K's and V's tensor
+            // maps, out's pointer, the gate's pointer or null, the work list, its counter word,
+            // three u32 and an f32); every index it forms stays inside its buffer (the tensor
+            // copies check theirs against the maps' sizes): `check_inputs` checked the buffers
+            // against the shape and the offsets (and the gate was checked to be as large as
+            // the output),
             // the work list was built from those offsets (rows past a sequence are clamped to
-            // its last token and never stored, keys past it read its last key), and the grid
-            // is `items · kv_heads` blocks.
+            // its last token and never stored, keys past it read its last key), and a block
+            // only takes units below `items · kv_heads`.
             unsafe { launch.launch(config) }
                 .map_err(|e| driver_error("Hopper attention (launch)", e))?;
             let end = event("Hopper attention (end event)")?;

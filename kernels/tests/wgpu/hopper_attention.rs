@@ -72,6 +72,26 @@ fn matches_the_reference_on_varlen_packs_and_head_configs() {
 }
 
 #[test]
+fn every_unit_is_computed_when_each_block_takes_several() {
+    // 2,400 tokens of 16 query heads per KV head: 600 units of 128 rows for at most one block
+    // per multiprocessor, so every block takes several from the counter; run twice, since
+    // the second launch relies on the first having set the counter back.
+    let (Some(client), Some(kernel)) = (client(), kernel()) else {
+        return;
+    };
+    let mut rng = Rng::new(85);
+    let shape = shape(32, 2, 128);
+    let offsets = offsets_of(&[1500, 900]);
+    let x = bf16_inputs(Inputs::random(&mut rng, &shape, *offsets.last().unwrap()));
+    let (want, _) = reference(&shape, &offsets, &x);
+    let first = run(&client, &kernel, &shape, &offsets, &x);
+    let second = run(&client, &kernel, &shape, &offsets, &x);
+    let err = rel_error(&first, &want);
+    assert!(err < TOLERANCE, "error {err:e}");
+    assert_eq!(first, second, "a second launch computes the same outputs");
+}
+
+#[test]
 fn growing_scores_rescale_the_output_exactly_enough() {
     // 600 tokens: five key tiles, each row's maximum rising in every one.
     let (Some(client), Some(kernel)) = (client(), kernel()) else {
