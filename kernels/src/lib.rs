@@ -39,8 +39,8 @@
 //! - `cuda` (feature `cuda`): NVIDIA's libraries on CubeCL's buffers (cuBLAS GEMMs, the
 //!   linears of several weights that read one input queued together, and Hessians; the
 //!   cuSOLVER inverse; the driver's staged copies), `HopperAttention`, the attention on
-//!   Hopper's warpgroup instructions (optionally with a sigmoid output gate in its
-//!   epilogue), and `MmaGla`, the Simple GLA on `mma.sync` with its fragments in registers
+//!   Hopper's warpgroup instructions and tensor memory accelerator (optionally with a sigmoid
+//!   output gate in its epilogue), and `MmaGla`, the Simple GLA on `mma.sync` with its fragments in registers
 //!   (both CUDA C++ compiled by NVRTC);
 //! - [`error`]: the one error type, [`KernelError`].
 

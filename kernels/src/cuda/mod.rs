@@ -16,8 +16,9 @@
 //! - [`linear_bf16`] and [`linears_bf16`]: a bf16 linear layer's product, or those of several
 //!   weights that read one input, queued together between one pair of waits;
 //! - [`HopperAttention`]: causal GQA flash attention on Hopper's warpgroup tensor-core
-//!   instructions, optionally with a sigmoid output gate in its epilogue, CUDA C++ compiled at
-//!   run time by NVRTC for `sm_90a`;
+//!   instructions, K and V staged by the tensor memory accelerator, persistent blocks,
+//!   optionally with a sigmoid output gate in its epilogue, CUDA C++ compiled at run time by
+//!   NVRTC for `sm_90a`;
 //! - [`MmaGla`]: chunked Simple GLA on `mma.sync` with its fragments in registers, CUDA C++
 //!   compiled at run time by NVRTC.
 //!
