@@ -257,7 +257,8 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap& map, int c
 /// kv_heads, 128] tensor in boxes of 64 dims × 1 head × KEYS keys with the 128-byte swizzle)
 /// into the tile at `dst`: its two 64-column halves, KEYS·128 bytes apart, one tensor-engine
 /// copy each, which complete the `full` barrier's phase once both have landed. Keys past the
-/// tensor read as zeros; keys past the sequence are masked by the softmax.
+/// tensor read as zeros; keys past the sequence (the next sequence's) are masked by the softmax
+/// to a probability of exactly 0, which clears finite values only: K and V must be finite.
 __device__ __forceinline__ void stage_tile(const TensorMap& map, u32 dst, u32 first, u32 kv,
                                            u32 full) {
   mbar_expect(full, TILE_BYTES);

@@ -190,6 +190,9 @@ impl HopperAttention {
     /// with the checks of [`causal_gqa_attention`](crate::attention::causal_gqa_attention).
     /// [`KernelError::Unsupported`] for a shape outside [`supports`](Self::supports). Returns
     /// once the output is written.
+    ///
+    /// K and V must be finite: the last key tile of a sequence also holds the next sequence's
+    /// first keys, masked to a probability of exactly 0, which clears finite values only.
     pub fn run(
         &self,
         client: &ComputeClient<CudaRuntime>,
