@@ -119,6 +119,23 @@ pub trait FastOps<B: Backend>: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
+    /// `round(hidden + scale · x·wᵀ)` for `x` `[tokens, in]`, `w` `[out, in]` and `hidden`
+    /// `[tokens, out]` (storage dtype): a linear whose product goes straight into a scaled
+    /// residual add, in one call (the product's epilogue adds the residual in f32 and rounds
+    /// once). `hidden` is read, not written. `Ok(None)` where this implementation has no such
+    /// call: [`FastOps::linear`] then [`FastOps::scaled_residual`] run instead, which round the
+    /// product before the sum, so the two routes may differ by one rounding step of the sum.
+    fn linear_residual(
+        &self,
+        hidden: &Tensor<B, 2>,
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        scale: f64,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let _ = (hidden, x, w, scale);
+        Ok(None)
+    }
+
     /// RoPE of `x` `[tokens, heads, d]` (storage dtype) at positions restarting with each
     /// sequence of `lengths`, read from the f32 tables `cos`, `sin` `[positions, d]`: the
     /// graph's [`crate::ops::rope::apply_rope`] (Llama's q and k), rounded where it rounds.
@@ -360,8 +377,9 @@ mod cube {
     use sala_kernels::attention::{causal_gqa_attention, AttentionShape};
     use sala_kernels::channel_stats::{channel_sums, ChannelBlocks};
     use sala_kernels::cuda::{
-        blocked_causal_attention_bf16, linears_bf16, xtx_runs_bf16, Bf16Matrix, Cublas,
-        DriverTransfer, HopperAttention, LinearOutput, MmaGla, XtxRun, XtxStream,
+        blocked_causal_attention_bf16, linear_residual_bf16, linears_bf16, xtx_runs_bf16,
+        Bf16Matrix, Cublas, DriverTransfer, HopperAttention, LinearOutput, LinearShape, MmaGla,
+        ResidualLinear, XtxRun, XtxStream,
     };
     use sala_kernels::flash_attention::{
         flash_attention_bf16, flash_attention_supported, FLASH_HEAD_DIMS,
@@ -829,6 +847,49 @@ mod cube {
             w: &Tensor<CubeBackend<R, F, I, BT>, 2>,
         ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
             Ok(self.linears(x, &[w])?.map(|mut ys| ys.remove(0)))
+        }
+
+        fn linear_residual(
+            &self,
+            hidden: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            x: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            w: &Tensor<CubeBackend<R, F, I, BT>, 2>,
+            scale: f64,
+        ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
+            let Some(blas) = &self.blas else {
+                return Ok(None);
+            };
+            if [hidden, x, w].iter().any(|t| t.dtype() != DType::BF16) {
+                return Ok(None);
+            }
+            let ([tokens, in_features], [out_features, w_in]) = (x.dims(), w.dims());
+            if w_in != in_features || hidden.dims() != [tokens, out_features] {
+                return Err(ModelError::InvalidInput(format!(
+                    "linear residual of [{tokens}, {in_features}] by a [{out_features}, {w_in}] \
+                     weight into a {:?} residual",
+                    hidden.dims()
+                )));
+            }
+            let (hidden, x, w) = (
+                primitive(hidden.clone()),
+                primitive(x.clone()),
+                primitive(w.clone()),
+            );
+            let out = x.client.empty(tokens * out_features * 2);
+            let shape = LinearShape {
+                tokens,
+                in_features,
+                out_features,
+            };
+            let buffers = ResidualLinear {
+                x: &x.handle,
+                w: &w.handle,
+                hidden: &hidden.handle,
+                out: &out,
+            };
+            linear_residual_bf16(&x.client, blas, shape, buffers, scale as f32)
+                .map_err(kernel_error("linear residual"))?;
+            Ok(Some(bf16_tensor(&x, out, [tokens, out_features])))
         }
 
         fn linears(

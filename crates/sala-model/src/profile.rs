@@ -221,6 +221,18 @@ impl<B: Backend> FastOps<B> for ProfiledOps<B> {
         })
     }
 
+    fn linear_residual(
+        &self,
+        hidden: &Tensor<B, 2>,
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        scale: f64,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        self.timed("linear_residual", &x.device(), is_some, || {
+            self.inner.linear_residual(hidden, x, w, scale)
+        })
+    }
+
     fn rope(
         &self,
         x: &Tensor<B, 3>,

@@ -109,6 +109,11 @@ fn apply_one<B: Backend>(
         .ok_or_else(|| ModelError::InvalidInput(format!("no product for {name}")))
 }
 
+/// `1/√d`: how the attention and GLA layers scale `q·k` for heads of dimension `d`.
+fn attention_scale(head_dim: usize) -> f64 {
+    1.0 / (head_dim as f64).sqrt()
+}
+
 /// The sequences of a pack as row ranges `start..end` of the `[Σ T, hidden]` buffer.
 fn row_ranges(lengths: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     lengths.iter().scan(0, |start, &len| {
@@ -572,7 +577,7 @@ impl<B: Backend> LayerRunner<B> {
                 .collect()
         };
         let [q, k, v] = self.lightning_qkv(&w, &a, &[tokens], &mut apply)?;
-        let scale = 1.0 / (q.dims()[2] as f64).sqrt();
+        let scale = attention_scale(q.dims()[2]);
         Ok([to_f32(q).mul_scalar(scale), k, v])
     }
 
@@ -684,18 +689,21 @@ impl<B: Backend> LayerRunner<B> {
             self.linears(x, ws)
         };
         let a = self.norm(hidden.clone(), w.tensor("input_layernorm", [hidden_size])?)?;
+        // The mixer stops at o_proj's input: o_proj and the residual add run as one call.
         let mixed = match weights.kind() {
             LayerKind::Minicpm4 => self.minicpm4(layer, a, lengths, &mut apply)?,
             LayerKind::Lightning => self.lightning(&w, a, lengths, &mut apply)?,
             LayerKind::Llama => self.llama(a, lengths, &mut apply)?,
         };
-        let h = self.residual(hidden, mixed)?;
+        let [tokens, mixed_width] = mixed.dims();
+        tap(&format!("{}.self_attn.o_proj", w.prefix), &mixed, 0..tokens);
+        let o_proj = w.tensor("self_attn.o_proj", [hidden_size, mixed_width])?;
+        let h = self.linear_residual(hidden, mixed, o_proj)?;
 
         let m = self.norm(
             h.clone(),
             w.tensor("post_attention_layernorm", [hidden_size])?,
         )?;
-        let tokens = m.dims()[0];
         for name in ["mlp.gate_proj", "mlp.up_proj"] {
             tap(&format!("{}.{name}", w.prefix), &m, 0..tokens);
         }
@@ -719,8 +727,7 @@ impl<B: Backend> LayerRunner<B> {
             let act = self.swiglu(gate_out, up_out)?;
             tap(&format!("{}.mlp.down_proj", w.prefix), &act, rows.clone());
             if full {
-                let out = self.linear(act, down.clone())?;
-                outputs.push(self.residual(part(&h), out)?);
+                outputs.push(self.linear_residual(part(&h), act, down.clone())?);
             }
         }
         Ok(full.then(|| concat_rows(outputs)))
@@ -734,6 +741,24 @@ impl<B: Backend> LayerRunner<B> {
             }
         }
         Ok(linear(x, w, self.options.numerics))
+    }
+
+    /// `round(hidden + residual_scale · x·wᵀ)`: the [`FastOps`] call that adds the residual in
+    /// the product's epilogue where it has one, else [`Self::linear`] then [`Self::residual`].
+    fn linear_residual(
+        &self,
+        hidden: Tensor<B, 2>,
+        x: Tensor<B, 2>,
+        w: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
+        if let Some(fast) = &self.fast {
+            let scale = self.config.residual_scale();
+            if let Some(sum) = fast.linear_residual(&hidden, &x, &w, scale)? {
+                return Ok(sum);
+            }
+        }
+        let branch = self.linear(x, w)?;
+        self.residual(hidden, branch)
     }
 
     /// `x·w_iᵀ` for each of `ws`: the [`FastOps`] call for several weights where it has one,
@@ -818,7 +843,7 @@ impl<B: Backend> LayerRunner<B> {
     ) -> Result<Tensor<B, 2>> {
         let [tokens, heads, d] = q.dims();
         if let Some(fast) = &self.fast {
-            let scale = (1.0 / (d as f64).sqrt()) as f32;
+            let scale = attention_scale(d) as f32;
             let out = fast.causal_attention(q, k, v, lengths, scale)?;
             return Ok(self.round(out.reshape([tokens, heads * d])));
         }
@@ -847,7 +872,7 @@ impl<B: Backend> LayerRunner<B> {
         gate: Tensor<B, 2>,
     ) -> Result<Tensor<B, 2>> {
         if let Some(fast) = &self.fast {
-            let scale = (1.0 / (q.dims()[2] as f64).sqrt()) as f32;
+            let scale = attention_scale(q.dims()[2]) as f32;
             if let Some(gated) = fast.gated_causal_attention(&q, &k, &v, lengths, scale, &gate)? {
                 return Ok(gated);
             }
@@ -856,8 +881,8 @@ impl<B: Backend> LayerRunner<B> {
         self.sigmoid_gate(att, gate)
     }
 
-    /// Sparse-layer mixer in dense mode: GQA causal attention without RoPE, times
-    /// `sigmoid(o_gate(a))`, then `o_proj`.
+    /// Sparse-layer mixer in dense mode up to `o_proj`'s input: GQA causal attention without
+    /// RoPE, times `sigmoid(o_gate(a))`.
     fn minicpm4(
         &self,
         layer: usize,
@@ -878,15 +903,13 @@ impl<B: Backend> LayerRunner<B> {
             }
         }
         let dims = self.config.attention_heads();
-        let hidden = self.config.hidden_size();
         let ([q, k, v], gate) = self.project_qkv(&a, dims, apply, Some("self_attn.o_gate"))?;
         let gate = gate.ok_or_else(|| ModelError::InvalidInput("missing o_gate product".into()))?;
-        let gated = self.gated_attention(q, k, v, lengths, gate)?;
-        apply_one(apply, "self_attn.o_proj", gated, [hidden, dims.q_width()])
+        self.gated_attention(q, k, v, lengths, gate)
     }
 
-    /// Lightning mixer: q/k RMSNorm per head, RoPE, Simple GLA in f32, `o_norm` over all
-    /// heads, times `sigmoid(z_proj(a))`, then `o_proj`.
+    /// Lightning mixer up to `o_proj`'s input: q/k RMSNorm per head, RoPE, Simple GLA in f32,
+    /// `o_norm` over all heads, times `sigmoid(z_proj(a))`.
     fn lightning(
         &self,
         w: &DeviceLayer<'_, B>,
@@ -900,12 +923,11 @@ impl<B: Backend> LayerRunner<B> {
         let hidden = self.config.hidden_size();
         let (heads, d) = (dims.heads, dims.head_dim);
         let [q, k, v] = self.lightning_qkv(w, &a, lengths, apply)?;
-        let out = self.gla(q, k, v, lengths, 1.0 / (d as f64).sqrt())?;
+        let out = self.gla(q, k, v, lengths, attention_scale(d))?;
         // z_proj after the GLA, not with q/k/v: its [tokens, heads·d] output would otherwise
         // be held through the GLA (1 GiB at 131072 tokens).
         let gate = apply_one(apply, "self_attn.z_proj", a, [heads * d, hidden])?;
-        let gated = self.norm_gate(out, w.tensor("self_attn.o_norm", [heads * d])?, gate)?;
-        apply_one(apply, "self_attn.o_proj", gated, [hidden, heads * d])
+        self.norm_gate(out, w.tensor("self_attn.o_norm", [heads * d])?, gate)
     }
 
     /// The Simple GLA of every sequence of the pack for `q` (not yet multiplied by `scale`),
@@ -1052,7 +1074,7 @@ impl<B: Backend> LayerRunner<B> {
         Ok([q, k, v])
     }
 
-    /// Llama mixer: RoPE on q and k, GQA causal attention, `o_proj`.
+    /// Llama mixer up to `o_proj`'s input: RoPE on q and k, GQA causal attention.
     fn llama(
         &self,
         a: Tensor<B, 2>,
@@ -1062,13 +1084,7 @@ impl<B: Backend> LayerRunner<B> {
         let dims = self.config.attention_heads();
         let ([q, k, v], _) = self.project_qkv(&a, dims, apply, None)?;
         let [q, k] = self.rope(q, k, lengths)?;
-        let att = self.softmax_attention(q, k, v, lengths)?;
-        apply_one(
-            apply,
-            "self_attn.o_proj",
-            att,
-            [self.config.hidden_size(), dims.q_width()],
-        )
+        self.softmax_attention(q, k, v, lengths)
     }
 
     /// The whole model on one sequence: embedding, every layer (loaded one at a time from

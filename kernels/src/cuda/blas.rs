@@ -6,7 +6,7 @@
 //! product `Cᵀ = op(B)ᵀ·op(A)ᵀ`: B is passed first, A second, the flags unchanged, and the
 //! roles of m and n swapped.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
@@ -15,6 +15,7 @@ use cudarc::cublas::sys::{
     self, cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
 };
 
+use super::blas_lt::{LtSlot, LtState};
 use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
 use crate::device::MatrixView;
 use crate::error::KernelError;
@@ -47,6 +48,9 @@ impl Fp32Math {
 pub struct Cublas {
     lib: LibStream,
     handle: sys::cublasHandle_t,
+    /// cuBLASLt's handle and workspace on the same stream, made at the first product that
+    /// needs them ([`linear_residual_bf16`](super::linear_residual_bf16)).
+    lt: Mutex<Option<LtState>>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
@@ -73,7 +77,11 @@ impl Cublas {
                 cudarc::cublas::result::set_stream(handle, lib.stream().cu_stream() as _)
                     .map_err(blas_error("cublasSetStream"))?;
             }
-            Ok(Self { lib, handle })
+            Ok(Self {
+                lib,
+                handle,
+                lt: Mutex::new(None),
+            })
         })
     }
 
@@ -105,6 +113,13 @@ impl Cublas {
     /// This handle's stream.
     pub(crate) fn lib(&self) -> &LibStream {
         &self.lib
+    }
+
+    /// The cuBLASLt state on this handle's stream, locked (`None` until the first use makes it).
+    pub(super) fn lt_slot(&self) -> LtSlot<'_> {
+        self.lt
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -605,7 +620,7 @@ pub fn linears_bf16(
 }
 
 /// Errors unless `handle` holds at least a `rows × cols` bf16 matrix; `what` names it.
-fn check_bf16_buffer(
+pub(super) fn check_bf16_buffer(
     what: &'static str,
     handle: &Handle,
     rows: usize,

@@ -15,7 +15,7 @@ pub const CUDA_LIBRARIES: [(&str, &str); 5] = [
         "run-time compilation of the CubeCL kernels and HopperAttention",
     ),
     ("cublas", "CublasGemm, xtx_bf16"),
-    ("cublasLt", "loaded by cuBLAS"),
+    ("cublasLt", "loaded by cuBLAS; linear_residual_bf16"),
     ("cusolver", "inverse_upper_cusolver"),
 ];
 

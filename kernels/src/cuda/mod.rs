@@ -15,6 +15,8 @@
 //!   on cuBLAS (strided batched bf16 GEMMs) and the masked softmax a CubeCL kernel;
 //! - [`linear_bf16`] and [`linears_bf16`]: a bf16 linear layer's product, or those of several
 //!   weights that read one input, queued together between one pair of waits;
+//! - [`linear_residual_bf16`]: a bf16 linear with a scaled residual added in its epilogue
+//!   (cuBLASLt, the residual read but not overwritten);
 //! - [`HopperAttention`]: causal GQA flash attention on Hopper's warpgroup tensor-core
 //!   instructions, K and V staged by the tensor memory accelerator, persistent blocks,
 //!   optionally with a sigmoid output gate in its epilogue, CUDA C++ compiled at run time by
@@ -36,6 +38,7 @@
 
 mod attention;
 mod blas;
+mod blas_lt;
 mod gla_mma;
 mod hopper_attention;
 mod libs;
@@ -52,6 +55,7 @@ pub use blas::{
     linear_bf16, linears_bf16, xtx_bf16, xtx_runs_bf16, xtx_runs_bf16_blocked, Bf16Matrix, Cublas,
     CublasGemm, Fp32Math, LinearOutput, LinearShape, XtxRun,
 };
+pub use blas_lt::{linear_residual_bf16, ResidualLinear, LT_WORKSPACE_BYTES};
 pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};

@@ -22,6 +22,8 @@ mod hessian;
 mod hessian_ops;
 #[cfg(feature = "cuda")]
 mod hopper_attention;
+#[cfg(feature = "cuda")]
+mod linears;
 mod memory;
 mod softmax;
 mod solver;

@@ -726,15 +726,26 @@ fn uploads_go_through_the_fast_ops_and_change_nothing() {
     }
 }
 
-/// CPU fast ops that answer the grouped calls (`linears`, `gated_causal_attention`) by the
-/// single ops they replace, recording each, or decline them (`answer` false): the runner's
-/// two routes through a layer.
+/// CPU fast ops that answer the grouped calls (`linears`, `gated_causal_attention`,
+/// `linear_residual`) by the single ops they replace, recording each, or decline them
+/// (`answer` false): the runner's two routes through a layer.
 #[derive(Debug)]
 struct Grouping {
     inner: CpuFastOps,
     answer: bool,
-    /// Weights per `linears` call, then `0` for each gated attention, in call order.
-    calls: std::sync::Mutex<Vec<usize>>,
+    /// The grouped calls answered, in call order.
+    calls: std::sync::Mutex<Vec<Grouped>>,
+}
+
+/// One call [`Grouping`] answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grouped {
+    /// `linears` with this many weights.
+    Linears(usize),
+    /// `gated_causal_attention`.
+    GatedAttention,
+    /// `linear_residual` with a weight of this shape.
+    LinearResidual([usize; 2]),
 }
 
 impl Grouping {
@@ -771,7 +782,7 @@ impl FastOps<B> for Grouping {
         if !self.answer {
             return Ok(None);
         }
-        self.calls.lock().unwrap().push(0);
+        self.calls.lock().unwrap().push(Grouped::GatedAttention);
         let [tokens, heads, d] = q.dims();
         let att = self
             .inner
@@ -797,8 +808,26 @@ impl FastOps<B> for Grouping {
         if !self.answer {
             return Ok(None);
         }
-        self.calls.lock().unwrap().push(ws.len());
+        self.calls.lock().unwrap().push(Grouped::Linears(ws.len()));
         ws.iter().map(|w| self.inner.linear(x, w)).collect()
+    }
+
+    fn linear_residual(
+        &self,
+        hidden: &Tensor<B, 2>,
+        x: &Tensor<B, 2>,
+        w: &Tensor<B, 2>,
+        scale: f64,
+    ) -> sala_model::Result<Option<Tensor<B, 2>>> {
+        if !self.answer {
+            return Ok(None);
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .push(Grouped::LinearResidual(w.dims()));
+        let branch = self.inner.linear(x, w)?.expect("CPU linears answer");
+        self.inner.scaled_residual(hidden, &branch, scale)
     }
 
     fn swiglu(
@@ -871,8 +900,9 @@ impl FastOps<B> for Grouping {
 }
 
 /// Where the fast ops take the grouped calls, the runner makes them: one `linears` for q, k, v
-/// (and the minicpm4 output gate), one for the MLP's gate and up, and for minicpm4 one gated
-/// attention; the layer's output and its taps are those of the single ops, bit for bit.
+/// (and the minicpm4 output gate), one for the MLP's gate and up, for minicpm4 one gated
+/// attention, and `o_proj` and `down_proj` each with its residual add; the layer's output and
+/// its taps are those of the single ops, bit for bit.
 #[test]
 fn grouped_linears_and_the_gated_attention_change_nothing() {
     let (config, store) = open("tiny-sala");
@@ -919,9 +949,22 @@ fn grouped_linears_and_the_gated_attention_change_nothing() {
             "layer {layer}: a tapped input differs"
         );
         let calls = std::mem::take(&mut *answering.calls.lock().unwrap());
+        let (hidden, inter) = (config.hidden_size(), config.intermediate_size());
+        let o_proj_name = format!("model.layers.{layer}.self_attn.o_proj.weight");
+        let o_width = weights.get(&o_proj_name).unwrap().shape[1];
+        let (o_proj, down) = (
+            Grouped::LinearResidual([hidden, o_width]),
+            Grouped::LinearResidual([hidden, inter]),
+        );
         let expected = match weights.kind {
-            LayerKind::Minicpm4 => vec![4, 0, 2],
-            _ => vec![3, 2],
+            LayerKind::Minicpm4 => vec![
+                Grouped::Linears(4),
+                Grouped::GatedAttention,
+                o_proj,
+                Grouped::Linears(2),
+                down,
+            ],
+            _ => vec![Grouped::Linears(3), o_proj, Grouped::Linears(2), down],
         };
         assert_eq!(calls, expected, "layer {layer} ({:?})", weights.kind);
         assert!(declining.calls.lock().unwrap().is_empty());
