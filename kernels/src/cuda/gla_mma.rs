@@ -22,7 +22,7 @@ use cudarc::nvrtc::CompileOptions;
 
 use super::{
     compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
-    sync_client, LibStream,
+    sync_client, LibStream, PtxOrigin,
 };
 use crate::error::KernelError;
 use crate::gla::{GlaPlan, GlaShape, GlaTiling, GLA_CHUNK, GLA_HEAD_DIMS, GLA_SEGMENT};
@@ -58,6 +58,7 @@ struct Entries {
 pub struct MmaGla {
     lib: LibStream,
     entries: Vec<Entries>,
+    ptx_origin: PtxOrigin,
 }
 
 // SAFETY: the function handles belong to the module held by the context, which CUDA lets any
@@ -97,9 +98,10 @@ impl MmaGla {
                 name: Some("gla_mma.cu".into()),
                 ..Default::default()
             };
-            let (module, _) = compile_module(ctx, SOURCE, options, "mma GLA")?;
-            let function =
-                |name: &str, d: usize| load_function(&module, name, shared_bytes(d), "mma GLA");
+            let loaded = compile_module(ctx, SOURCE, options, "mma GLA")?;
+            let function = |name: &str, d: usize| {
+                load_function(&loaded.module, name, shared_bytes(d), "mma GLA")
+            };
             let entries = GLA_HEAD_DIMS
                 .iter()
                 .map(|&d| {
@@ -110,8 +112,17 @@ impl MmaGla {
                     })
                 })
                 .collect::<Result<_, KernelError>>()?;
-            Ok(Self { lib, entries })
+            Ok(Self {
+                lib,
+                entries,
+                ptx_origin: loaded.origin,
+            })
         })
+    }
+
+    /// Whether the kernel's PTX came from the cache or from NVRTC.
+    pub fn ptx_origin(&self) -> PtxOrigin {
+        self.ptx_origin
     }
 
     /// Whether the kernel computes `shape`'s head dimension ([`GLA_HEAD_DIMS`]).

@@ -32,7 +32,7 @@ use cudarc::nvrtc::CompileOptions;
 
 use super::{
     compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
-    sync_client, LibStream,
+    sync_client, LibStream, PtxOrigin,
 };
 use crate::attention::{check_inputs, AttentionShape};
 use crate::error::KernelError;
@@ -116,6 +116,7 @@ pub struct HopperAttention {
     function: CudaFunction,
     /// The PTX NVRTC produced, kept to compare builds of the same source.
     ptx: String,
+    ptx_origin: PtxOrigin,
     /// The device's multiprocessors: the persistent kernel's largest grid (one block fills one).
     multiprocessors: u32,
 }
@@ -162,12 +163,13 @@ impl HopperAttention {
                 name: Some("flash_attention_sm90.cu".into()),
                 ..Default::default()
             };
-            let (module, ptx_text) = compile_module(ctx, SOURCE, options, "Hopper attention")?;
-            let function = load_function(&module, ENTRY, SHARED_BYTES, "Hopper attention")?;
+            let loaded = compile_module(ctx, SOURCE, options, "Hopper attention")?;
+            let function = load_function(&loaded.module, ENTRY, SHARED_BYTES, "Hopper attention")?;
             Ok(Self {
                 lib,
                 function,
-                ptx: ptx_text,
+                ptx: loaded.ptx,
+                ptx_origin: loaded.origin,
                 multiprocessors,
             })
         })
@@ -183,6 +185,11 @@ impl HopperAttention {
     /// of the same source (the harness `bench/flash_sm90.py`, another NVRTC) can be set beside.
     pub fn ptx(&self) -> &str {
         &self.ptx
+    }
+
+    /// Whether the kernel's PTX came from the cache or from NVRTC.
+    pub fn ptx_origin(&self) -> PtxOrigin {
+        self.ptx_origin
     }
 
     /// `out[t, h, :] = Σ_j softmax_j(scale · q[t, h, :]·k[j, h/group, :]) · v[j, h/group, :]`

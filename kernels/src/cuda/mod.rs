@@ -22,7 +22,9 @@
 //!   optionally with a sigmoid output gate in its epilogue, CUDA C++ compiled at run time by
 //!   NVRTC for `sm_90a`;
 //! - [`MmaGla`]: chunked Simple GLA on `mma.sync` with its fragments in registers, CUDA C++
-//!   compiled at run time by NVRTC.
+//!   compiled at run time by NVRTC;
+//! - [`PtxCache`]: those two kernels' PTX kept beside CubeCL's kernel cache, so that a run
+//!   after the first does not compile them again.
 //!
 //! CubeCL's CUDA runtime retains the device's *primary* context, and so does
 //! [`cudarc::driver::CudaContext::new`]: both see one address space, so the device pointer of
@@ -42,6 +44,7 @@ mod blas_lt;
 mod gla_mma;
 mod hopper_attention;
 mod libs;
+mod ptx_cache;
 mod solver;
 mod transfer;
 mod xtx_stream;
@@ -59,6 +62,7 @@ pub use blas_lt::{linear_residual_bf16, ResidualLinear, LT_WORKSPACE_BYTES};
 pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
+pub use ptx_cache::{PtxCache, PtxOrigin};
 pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
     InverseTimings,
@@ -272,22 +276,31 @@ pub(crate) fn require_shared_optin(
     Ok(())
 }
 
-/// CUDA C++ `source` compiled by NVRTC with `options` and loaded on `ctx`, with the PTX text;
-/// `what` names the kernel in the errors (the compile log in the message).
+/// A kernel module loaded on a context, with the PTX it was loaded from.
+pub(crate) struct LoadedModule {
+    pub(crate) module: Arc<cudarc::driver::CudaModule>,
+    pub(crate) ptx: String,
+    pub(crate) origin: PtxOrigin,
+}
+
+/// CUDA C++ `source` compiled by NVRTC with `options` (or its PTX from the [`PtxCache`] beside
+/// CubeCL's kernel cache, where an earlier run compiled it) and loaded on `ctx`; `what` names
+/// the kernel in the errors (the compile log in the message).
 pub(crate) fn compile_module(
     ctx: &Arc<CudaContext>,
     source: &str,
     options: cudarc::nvrtc::CompileOptions,
     what: &'static str,
-) -> Result<(Arc<cudarc::driver::CudaModule>, String), KernelError> {
-    let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| KernelError::Launch {
-            what,
-            message: format!("NVRTC compile: {e}"),
-        })?;
-    let text = ptx.to_src();
-    let module = ctx.load_module(ptx).map_err(|e| driver_error(what, e))?;
-    Ok((module, text))
+) -> Result<LoadedModule, KernelError> {
+    let (ptx, origin) = PtxCache::beside_cubecl().ptx(source, &options, what)?;
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
+        .map_err(|e| driver_error(what, e))?;
+    Ok(LoadedModule {
+        module,
+        ptx,
+        origin,
+    })
 }
 
 /// Function `name` of `module`, allowed `shared_bytes` of dynamic shared memory per block.

@@ -25,6 +25,8 @@ mod hopper_attention;
 #[cfg(feature = "cuda")]
 mod linears;
 mod memory;
+#[cfg(feature = "cuda")]
+mod ptx_cache;
 mod softmax;
 mod solver;
 #[cfg(feature = "cuda")]

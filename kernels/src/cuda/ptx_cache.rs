@@ -1,0 +1,152 @@
+//! The PTX that NVRTC makes of the CUDA C++ kernels ([`HopperAttention`](super::HopperAttention),
+//! [`MmaGla`](super::MmaGla)), kept on disk beside CubeCL's own kernel cache: a run after the
+//! first loads it instead of compiling the source again, as CubeCL does for its kernels.
+//!
+//! An entry is keyed by a stable hash of the source, the compile options and NVRTC's version, so
+//! an edited kernel, other options or another NVRTC compile afresh. The store is cubecl-common's
+//! `CompilationCache` (a table of contents and an append-only chunk). A cache that cannot be
+//! opened, read or written is skipped: the kernel is compiled as if there were none.
+
+use std::path::PathBuf;
+
+use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+use cubecl_common::cache::CacheOption;
+use cubecl_common::compilation_cache::CompilationCache;
+use cubecl_common::hash::{StableHash, StableHasher};
+use cudarc::nvrtc::CompileOptions;
+
+use crate::error::KernelError;
+
+/// Where a kernel's PTX came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PtxOrigin {
+    /// Read from the cache: an earlier run compiled the same source with the same options.
+    Cache,
+    /// Compiled by NVRTC now (and stored, where the cache could be written).
+    Nvrtc,
+}
+
+/// An on-disk cache of NVRTC's PTX under one directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PtxCache {
+    root: Option<PathBuf>,
+}
+
+impl PtxCache {
+    /// The cache beside CubeCL's kernel cache (its `compilation.cache` setting: by default the
+    /// `target` directory of the Cargo project around the working directory, else the user's
+    /// cache directory); none where CubeCL's own is switched off.
+    pub fn beside_cubecl() -> Self {
+        let root = std::panic::catch_unwind(|| {
+            CubeClRuntimeConfig::get()
+                .compilation
+                .cache
+                .as_ref()
+                .map(|cache| cache.root())
+        })
+        .ok()
+        .flatten();
+        Self { root }
+    }
+
+    /// A cache under `root`.
+    pub fn at(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: Some(root.into()),
+        }
+    }
+
+    /// No cache: every call compiles.
+    pub fn none() -> Self {
+        Self { root: None }
+    }
+
+    /// The PTX of `source` compiled with `options`: the cached text where there is one, else
+    /// NVRTC's (then stored). `what` names the kernel in a compile error (NVRTC's log in the
+    /// message).
+    pub fn ptx(
+        &self,
+        source: &str,
+        options: &CompileOptions,
+        what: &'static str,
+    ) -> Result<(String, PtxOrigin), KernelError> {
+        let key = ptx_key(source, options, nvrtc_version());
+        if let Some(text) = self.read(key) {
+            return Ok((text, PtxOrigin::Cache));
+        }
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options.clone()).map_err(|e| {
+            KernelError::Launch {
+                what,
+                message: format!("NVRTC compile: {e}"),
+            }
+        })?;
+        let text = ptx.to_src();
+        self.write(key, &text);
+        Ok((text, PtxOrigin::Nvrtc))
+    }
+
+    /// The cached text of `key`, if the cache opens and holds it.
+    fn read(&self, key: StableHash) -> Option<String> {
+        let root = self.root.clone()?;
+        // cubecl-common panics on I/O errors: a cache that cannot be read is no cache.
+        std::panic::catch_unwind(|| open(root).get(&key).cloned())
+            .ok()
+            .flatten()
+    }
+
+    /// Stores `text` under `key`, silently giving up where the cache cannot be written.
+    fn write(&self, key: StableHash, text: &str) {
+        if let Some(root) = self.root.clone() {
+            let text = text.to_owned();
+            let _ = std::panic::catch_unwind(move || open(root).insert(key, text).is_ok());
+        }
+    }
+}
+
+/// The cache's store under `root`.
+fn open(root: PathBuf) -> CompilationCache<StableHash, String> {
+    CompilationCache::new("ptx", CacheOption::default().name("sala-nvrtc").root(root))
+}
+
+/// The stable hash an entry is keyed by: of the source, the options and NVRTC's version.
+fn ptx_key(source: &str, options: &CompileOptions, nvrtc: (i32, i32)) -> StableHash {
+    StableHasher::hash_one(&(source, options, nvrtc, env!("CARGO_PKG_VERSION")))
+}
+
+/// NVRTC's `(major, minor)` version, or `(0, 0)` where it cannot say (the compile that follows
+/// then reports why).
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-pointers to live integers; cudarc loads the library on first use and
+    // panics where it cannot, which is caught.
+    let call = std::panic::AssertUnwindSafe(|| unsafe {
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
+    });
+    match std::panic::catch_unwind(call) {
+        Ok(cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS) => (major, minor),
+        _ => (0, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another source, option or NVRTC gives another key; the same inputs the same key.
+    #[test]
+    fn keys_follow_the_source_the_options_and_nvrtc() {
+        let options = CompileOptions {
+            arch: Some("sm_90a"),
+            ..Default::default()
+        };
+        let key = ptx_key("a", &options, (13, 0));
+        assert_eq!(key, ptx_key("a", &options.clone(), (13, 0)));
+        assert_ne!(key, ptx_key("b", &options, (13, 0)));
+        assert_ne!(key, ptx_key("a", &options, (12, 9)));
+        let other = CompileOptions {
+            arch: Some("sm_80"),
+            ..Default::default()
+        };
+        assert_ne!(key, ptx_key("a", &other, (13, 0)));
+    }
+}
