@@ -33,16 +33,17 @@ pub struct PtxCache {
 }
 
 impl PtxCache {
-    /// The cache beside CubeCL's kernel cache (its `compilation.cache` setting: by default the
-    /// `target` directory of the Cargo project around the working directory, else the user's
-    /// cache directory); none where CubeCL's own is switched off.
+    /// The cache beside CubeCL's kernel cache: under the root of its `compilation.cache`
+    /// setting (`sala_model::configure_cuda_runtime` sets `target/sala-kernels/<fingerprint>`
+    /// of the Cargo project around the working directory); none where CubeCL keeps none, or
+    /// where its configuration has not been read yet (this does not read it: that would fix it
+    /// for the process before its owner could set it).
     pub fn beside_cubecl() -> Self {
         let root = std::panic::catch_unwind(|| {
-            CubeClRuntimeConfig::get()
-                .compilation
-                .cache
+            let state = CubeClRuntimeConfig::storage().lock();
+            state
                 .as_ref()
-                .map(|cache| cache.root())
+                .and_then(|config| config.compilation.cache.as_ref().map(|cache| cache.root()))
         })
         .ok()
         .flatten();
