@@ -72,16 +72,26 @@ impl PtxCache {
         what: &'static str,
     ) -> Result<(String, PtxOrigin), KernelError> {
         let key = ptx_key(source, options, nvrtc_version());
+        self.get_or_compile(key, || {
+            cudarc::nvrtc::compile_ptx_with_opts(source, options.clone())
+                .map(|ptx| ptx.to_src())
+                .map_err(|e| KernelError::Launch {
+                    what,
+                    message: format!("NVRTC compile: {e}"),
+                })
+        })
+    }
+
+    /// The text cached under `key`, else `compile`'s (then stored under `key`).
+    fn get_or_compile(
+        &self,
+        key: StableHash,
+        compile: impl FnOnce() -> Result<String, KernelError>,
+    ) -> Result<(String, PtxOrigin), KernelError> {
         if let Some(text) = self.read(key) {
             return Ok((text, PtxOrigin::Cache));
         }
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options.clone()).map_err(|e| {
-            KernelError::Launch {
-                what,
-                message: format!("NVRTC compile: {e}"),
-            }
-        })?;
-        let text = ptx.to_src();
+        let text = compile()?;
         self.write(key, &text);
         Ok((text, PtxOrigin::Nvrtc))
     }
@@ -149,5 +159,53 @@ mod tests {
             ..Default::default()
         };
         assert_ne!(key, ptx_key("a", &other, (13, 0)));
+    }
+
+    fn compiled(text: &str) -> impl FnOnce() -> Result<String, KernelError> + '_ {
+        move || Ok(text.to_owned())
+    }
+
+    /// The second request of a key reads the first one's text (without compiling), another key
+    /// compiles, and a new cache over the same directory (another run) reads both.
+    #[test]
+    fn a_second_request_reads_the_first_ones_text() {
+        let root = std::env::temp_dir().join(format!("sala-ptx-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let cache = PtxCache::at(&root);
+        let first = cache.get_or_compile(1, compiled("ptx one")).unwrap();
+        assert_eq!(first, ("ptx one".to_owned(), PtxOrigin::Nvrtc));
+        let never = || -> Result<String, KernelError> { panic!("compiled a cached key") };
+        assert_eq!(
+            cache.get_or_compile(1, never).unwrap(),
+            ("ptx one".to_owned(), PtxOrigin::Cache)
+        );
+        let second = cache.get_or_compile(2, compiled("ptx two")).unwrap();
+        assert_eq!(second.1, PtxOrigin::Nvrtc);
+        let next_run = PtxCache::at(&root);
+        assert_eq!(next_run.get_or_compile(2, never).unwrap().0, "ptx two");
+        assert_eq!(next_run.get_or_compile(1, never).unwrap().0, "ptx one");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A cache that cannot be created (a file where its directory would be) compiles every time
+    /// and passes a compile error on; no cache compiles every time.
+    #[test]
+    fn an_unusable_cache_compiles_every_time() {
+        let blocker = std::env::temp_dir().join(format!("sala-ptx-file-{}", std::process::id()));
+        std::fs::write(&blocker, b"a file").unwrap();
+        for cache in [PtxCache::at(blocker.join("cache")), PtxCache::none()] {
+            for _ in 0..2 {
+                let (_, origin) = cache.get_or_compile(3, compiled("ptx")).unwrap();
+                assert_eq!(origin, PtxOrigin::Nvrtc);
+            }
+            let failed = || {
+                Err(KernelError::Launch {
+                    what: "probe",
+                    message: "NVRTC compile: bad".into(),
+                })
+            };
+            assert!(cache.get_or_compile(4, failed).is_err());
+        }
+        let _ = std::fs::remove_file(&blocker);
     }
 }
