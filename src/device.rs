@@ -97,7 +97,7 @@ pub trait DeviceJob {
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
 
-/// Choices of the GPU path (none of them changes a number of the result).
+/// Choices of the GPU path (only `fused_residual` changes numbers of the result, by rounding).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GpuPath {
     /// Solve GPTQ and the NVFP4 search on the host (faer) instead of the device kernels.
@@ -105,6 +105,10 @@ pub struct GpuPath {
     /// Run each tap's Hessian products before the forward goes on, instead of on a stream of
     /// their own beside it (which holds up to [`hessian_in_flight_bytes`] of inputs longer).
     pub serial_hessians: bool,
+    /// Add the scaled residual of `o_proj` and `down_proj` in the product's epilogue
+    /// (cuBLASLt) instead of in a pass of its own: the sum is rounded once, so hidden states
+    /// may move by a rounding step.
+    pub fused_residual: bool,
 }
 
 /// Device bytes the GPU path's Hessian products in flight may hold beyond the forward's own
@@ -183,6 +187,9 @@ fn run_cuda<J: DeviceJob>(
             (Box::new(cuda_solver(transfer.clone())?), Some(resident))
         };
     let mut fast = cuda_fast_ops().with_transfer(transfer);
+    if gpu.fused_residual {
+        fast = fast.with_fused_residual();
+    }
     if !gpu.serial_hessians {
         let stream =
             sala_kernels::cuda::XtxStream::new(0, hessian_in_flight_bytes(DeviceArg::Cuda, gpu))

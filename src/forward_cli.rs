@@ -67,6 +67,10 @@ pub struct Args {
     /// ops is the graph's own work). Needs the fast ops (not with `--graph-ops`).
     #[arg(long)]
     profile_ops: bool,
+    /// With `--device cuda`: `o_proj` and `down_proj` add their residual in the product's
+    /// epilogue (cuBLASLt), as `quantize_sala --fused-residual`.
+    #[arg(long)]
+    fused_residual: bool,
 }
 
 /// What `bench_forward` measured.
@@ -80,6 +84,8 @@ pub struct ForwardReport {
     pub kernel_cache: String,
     /// Whether the backend's fast kernels (`FastOps`) ran.
     pub fast_ops: bool,
+    /// What they run, in their own words (`FastOps::describe`), where they ran.
+    pub fast_path: Option<String>,
     /// Timed repetitions per pass.
     pub reps: usize,
     /// Per layer kind: seconds to upload its weights.
@@ -190,6 +196,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         "bench_forward",
         GpuPath {
             host_solver: true,
+            fused_residual: args.fused_residual,
             ..GpuPath::default()
         },
         cpu_fast_ops,
@@ -233,6 +240,7 @@ impl DeviceJob for ForwardJob {
         };
         let mut runner = LayerRunner::<B>::new(self.config.clone(), device.clone(), options);
         let fast_ops = fast.is_some();
+        let fast_path = fast.as_ref().map(|f| f.describe());
         if let Some(fast) = fast {
             runner = runner.with_fast_ops(match self.profile_ops {
                 true => Arc::new(ProfiledOps::new(fast)),
@@ -332,6 +340,7 @@ impl DeviceJob for ForwardJob {
             device: self.device_name,
             kernel_cache: self.kernel_cache,
             fast_ops,
+            fast_path,
             reps: self.reps,
             fixed,
             measurements,
@@ -403,6 +412,9 @@ fn print_report(report: &ForwardReport) {
         if report.fast_ops { "on" } else { "off" },
         report.reps
     );
+    if let Some(path) = &report.fast_path {
+        println!("fast path: {path}");
+    }
     for f in &report.fixed {
         println!(
             "{:>10}: weights upload {:.3} s per layer",

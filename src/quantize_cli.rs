@@ -199,6 +199,11 @@ pub struct Args {
     /// of inputs longer). The checkpoint is the same either way.
     #[arg(long)]
     serial_hessians: bool,
+    /// With `--device cuda`: add `o_proj`'s and `down_proj`'s scaled residual in the
+    /// product's epilogue (cuBLASLt) instead of in a pass of its own. The sum is rounded once
+    /// instead of twice, so the checkpoint may differ by rounding.
+    #[arg(long)]
+    fused_residual: bool,
     /// With `--device cpu`: run the layers with burn-ndarray's graph ops (the reference)
     /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
     #[arg(long)]
@@ -734,6 +739,7 @@ fn gpu_path(args: &Args) -> GpuPath {
     GpuPath {
         host_solver: args.host_solver,
         serial_hessians: args.serial_hessians,
+        fused_residual: args.fused_residual,
     }
 }
 

@@ -414,6 +414,7 @@ mod cube {
         gla: Option<Arc<MmaGla>>,
         transfer: Option<Arc<DriverTransfer>>,
         hessians: Option<Arc<XtxStream>>,
+        fused_residual: bool,
     }
 
     impl CudaFastOps {
@@ -455,6 +456,18 @@ mod cube {
         pub fn with_transfer(self, transfer: Arc<DriverTransfer>) -> Self {
             Self {
                 transfer: Some(transfer),
+                ..self
+            }
+        }
+
+        /// The same, with `o_proj` and `down_proj` adding their scaled residual in the
+        /// product's epilogue (cuBLASLt, [`FastOps::linear_residual`]): one pass less over the
+        /// hidden state per residual add, and the sum rounded once instead of the product
+        /// first, so the hidden states (and the checkpoint) may move by a rounding step. Needs
+        /// the cuBLAS linears ([`CudaFastOps::with_cublas`]).
+        pub fn with_fused_residual(self) -> Self {
+            Self {
+                fused_residual: true,
                 ..self
             }
         }
@@ -618,11 +631,15 @@ mod cube {
                 (Some(_), None) => "linears and Hessians on cuBLAS",
                 (None, _) => "linears on burn's matmul",
             };
+            let residual = match (&self.blas, self.fused_residual) {
+                (Some(_), true) => ", residual adds in cuBLASLt's epilogue",
+                _ => "",
+            };
             let gla = match self.gla {
                 Some(_) => "GLA on mma.sync (MmaGla)",
                 None => "GLA on CubeCL's cooperative matrices",
             };
-            format!("{attention}, {gla}, {linears}")
+            format!("{attention}, {gla}, {linears}{residual}")
         }
 
         fn upload_host(
@@ -856,7 +873,7 @@ mod cube {
             w: &Tensor<CubeBackend<R, F, I, BT>, 2>,
             scale: f64,
         ) -> Result<Option<Tensor<CubeBackend<R, F, I, BT>, 2>>> {
-            let Some(blas) = &self.blas else {
+            let Some(blas) = self.blas.as_ref().filter(|_| self.fused_residual) else {
                 return Ok(None);
             };
             if [hidden, x, w].iter().any(|t| t.dtype() != DType::BF16) {
