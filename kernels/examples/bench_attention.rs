@@ -179,15 +179,9 @@ fn call_parts(
 
 /// The NVRTC library's version as it reports it, or why it could not.
 fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: two out-pointers to live integers; cudarc loads the library on first use.
-    let call = std::panic::AssertUnwindSafe(|| unsafe {
-        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
-    });
-    match std::panic::catch_unwind(call) {
-        Ok(cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS) => format!("{major}.{minor}"),
-        Ok(rc) => format!("unknown ({rc:?})"),
-        Err(_) => "not loaded".into(),
+    match sala_kernels::cuda::nvrtc_version() {
+        Ok((major, minor)) => format!("{major}.{minor}"),
+        Err(why) => why,
     }
 }
 

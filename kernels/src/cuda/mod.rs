@@ -62,7 +62,7 @@ pub use blas_lt::{linear_residual_bf16, ResidualLinear, LT_WORKSPACE_BYTES};
 pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
-pub use ptx_cache::{PtxCache, PtxOrigin};
+pub use ptx_cache::{nvrtc_version, PtxCache, PtxOrigin};
 pub use solver::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, Cusolver, CusolverFactorizer,
     InverseTimings,

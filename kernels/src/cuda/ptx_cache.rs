@@ -71,7 +71,7 @@ impl PtxCache {
         options: &CompileOptions,
         what: &'static str,
     ) -> Result<(String, PtxOrigin), KernelError> {
-        let key = ptx_key(source, options, nvrtc_version());
+        let key = ptx_key(source, options, nvrtc_version().unwrap_or((0, 0)));
         self.get_or_compile(key, || {
             cudarc::nvrtc::compile_ptx_with_opts(source, options.clone())
                 .map(|ptx| ptx.to_src())
@@ -124,9 +124,9 @@ fn ptx_key(source: &str, options: &CompileOptions, nvrtc: (i32, i32)) -> StableH
     StableHasher::hash_one(&(source, options, nvrtc, env!("CARGO_PKG_VERSION")))
 }
 
-/// NVRTC's `(major, minor)` version, or `(0, 0)` where it cannot say (the compile that follows
-/// then reports why).
-fn nvrtc_version() -> (i32, i32) {
+/// The NVRTC library's `(major, minor)` version as it reports it, or why it could not
+/// (`"not loaded"`, or `"unknown (status)"`).
+pub fn nvrtc_version() -> Result<(i32, i32), String> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: two out-pointers to live integers; cudarc loads the library on first use and
     // panics where it cannot, which is caught.
@@ -134,8 +134,9 @@ fn nvrtc_version() -> (i32, i32) {
         cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
     });
     match std::panic::catch_unwind(call) {
-        Ok(cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS) => (major, minor),
-        _ => (0, 0),
+        Ok(cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS) => Ok((major, minor)),
+        Ok(rc) => Err(format!("unknown ({rc:?})")),
+        Err(_) => Err("not loaded".into()),
     }
 }
 
