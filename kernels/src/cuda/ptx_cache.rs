@@ -96,9 +96,18 @@ impl PtxCache {
         Ok((text, PtxOrigin::Nvrtc))
     }
 
+    /// The cache's root where it is (or can be made) a directory. Checked before cubecl-common
+    /// opens it, because its panics, though caught, print a panic message a user would take
+    /// for a crash; a root that cannot be a directory is the usual way a cache is unusable.
+    fn usable_root(&self) -> Option<PathBuf> {
+        let root = self.root.as_ref()?;
+        std::fs::create_dir_all(root).ok()?;
+        Some(root.clone())
+    }
+
     /// The cached text of `key`, if the cache opens and holds it.
     fn read(&self, key: StableHash) -> Option<String> {
-        let root = self.root.clone()?;
+        let root = self.usable_root()?;
         // cubecl-common panics on I/O errors: a cache that cannot be read is no cache.
         std::panic::catch_unwind(|| open(root).get(&key).cloned())
             .ok()
@@ -107,7 +116,7 @@ impl PtxCache {
 
     /// Stores `text` under `key`, silently giving up where the cache cannot be written.
     fn write(&self, key: StableHash, text: &str) {
-        if let Some(root) = self.root.clone() {
+        if let Some(root) = self.usable_root() {
             let text = text.to_owned();
             let _ = std::panic::catch_unwind(move || open(root).insert(key, text).is_ok());
         }
