@@ -16,7 +16,7 @@ use cudarc::cublas::sys::{
 };
 
 use super::blas_lt::{LtSlot, LtState};
-use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, sync_client, LibStream};
+use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, LibStream, StreamOrdering};
 use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::gemm::{check_gemm_shapes, Gemm};
@@ -53,9 +53,9 @@ pub struct Cublas {
     lt: Mutex<Option<LtState>>,
 }
 
-// SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
-// every call below takes `&self` and completes (stream synchronized) before returning, and
-// the handle is only destroyed in `drop`.
+// SAFETY: a cuBLAS handle may be used from any thread; every call below takes `&self` and only
+// queues work on the handle's stream (ordered with CubeCL's by `LibStream`), and the handle is
+// only destroyed in `drop`.
 unsafe impl Send for Cublas {}
 // SAFETY: see `Send`; concurrent calls from two threads would share the stream, which cuBLAS
 // allows (it serialises them on the stream).
@@ -85,7 +85,25 @@ impl Cublas {
         })
     }
 
-    /// Runs `f` (cuBLAS calls on this handle) after CubeCL's queued work, then waits for it.
+    /// The same handle with its stream ordered with CubeCL's by `ordering`
+    /// ([`StreamOrdering::HostWaits`] unless set).
+    pub fn with_ordering(mut self, ordering: StreamOrdering) -> Self {
+        self.set_ordering(ordering);
+        self
+    }
+
+    /// Orders this handle's stream with CubeCL's by `ordering` from now on.
+    pub(crate) fn set_ordering(&mut self, ordering: StreamOrdering) {
+        self.lib.set_ordering(ordering);
+    }
+
+    /// How this handle's stream is ordered with CubeCL's.
+    pub fn ordering(&self) -> StreamOrdering {
+        self.lib.ordering()
+    }
+
+    /// Runs `f` (cuBLAS calls on this handle) after CubeCL's queued work; CubeCL's next work
+    /// runs after it (the host waits for it unless the device does: [`Cublas::with_ordering`]).
     pub(crate) fn run(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -93,11 +111,11 @@ impl Cublas {
         f: impl FnOnce(sys::cublasHandle_t) -> Result<(), KernelError>,
     ) -> Result<(), KernelError> {
         self.queue(client, what, f)?;
-        self.lib.synchronize(what)
+        self.lib.before_cubecl(client, what)
     }
 
     /// Queues `f` (cuBLAS calls on this handle) on this handle's stream after CubeCL's queued
-    /// work, without waiting for it: the caller keeps what it reads and writes alive and
+    /// work, without ordering CubeCL's next work after it: the caller keeps what it reads and writes alive and
     /// untouched until the stream is done ([`XtxStream`](super::XtxStream) does).
     pub(crate) fn queue(
         &self,
@@ -105,7 +123,7 @@ impl Cublas {
         what: &'static str,
         f: impl FnOnce(sys::cublasHandle_t) -> Result<(), KernelError>,
     ) -> Result<(), KernelError> {
-        sync_client(client)?;
+        self.lib.after_cubecl(client)?;
         self.lib.bind()?;
         guarded(what, || f(self.handle))
     }
@@ -430,7 +448,7 @@ pub fn xtx_runs_bf16_blocked(
 ) -> Result<(), KernelError> {
     queue_xtx_runs(client, blas, x, runs, h, blocking)?;
     blas.lib
-        .synchronize("cublasGemmEx + cublasSgeam (bf16 XᵀX)")
+        .before_cubecl(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)")
 }
 
 /// [`xtx_runs_bf16_blocked`] queued on `blas`'s stream without waiting for it: `x` and `h`

@@ -21,7 +21,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::blas::check_bf16_buffer;
 use super::LinearShape;
-use super::{guarded, handle_ptr, libs, sync_client, Cublas, LibStream};
+use super::{guarded, handle_ptr, libs, Cublas, LibStream};
 use crate::error::KernelError;
 
 /// Bytes of cuBLASLt's workspace: what NVIDIA recommends for Hopper (32 MiB), enough for the
@@ -90,7 +90,7 @@ pub fn linear_residual_bf16(
         LinearPlan::new(lt_state, shape).map_err(lt_error("cuBLASLt plan"))
     })?;
     let lib = blas.lib();
-    sync_client(client)?;
+    lib.after_cubecl(client)?;
     lib.bind()?;
     guarded("cublasLtMatmul (bf16 linear + residual)", || {
         let (alpha, beta) = (scale, 1.0f32);
@@ -123,7 +123,7 @@ pub fn linear_residual_bf16(
         .map_err(lt_error("cublasLtMatmul"))
     })?;
     drop(slot);
-    lib.synchronize("cublasLtMatmul (bf16 linear + residual)")
+    lib.before_cubecl(client, "cublasLtMatmul (bf16 linear + residual)")
 }
 
 /// A cuBLASLt handle and its workspace, on a [`Cublas`]'s stream: made at the first

@@ -22,7 +22,7 @@ use cudarc::nvrtc::CompileOptions;
 
 use super::{
     compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
-    sync_client, LibStream, PtxOrigin,
+    LibStream, PtxOrigin, StreamOrdering,
 };
 use crate::error::KernelError;
 use crate::gla::{GlaPlan, GlaShape, GlaTiling, GLA_CHUNK, GLA_HEAD_DIMS, GLA_SEGMENT};
@@ -120,6 +120,13 @@ impl MmaGla {
         })
     }
 
+    /// The same kernels with their stream ordered with CubeCL's by `ordering`
+    /// ([`StreamOrdering::HostWaits`] unless set).
+    pub fn with_ordering(mut self, ordering: StreamOrdering) -> Self {
+        self.lib.set_ordering(ordering);
+        self
+    }
+
     /// Whether the kernel's PTX came from the cache or from NVRTC.
     pub fn ptx_origin(&self) -> PtxOrigin {
         self.ptx_origin
@@ -133,7 +140,8 @@ impl MmaGla {
     /// [`simple_gla_bf16`](crate::gla::simple_gla_bf16) on this kernel: `out[t, h, :] =
     /// scale · q[t, h, :] S_t` over the sequences of `offsets`, buffers `[q, k, v, out]` bf16
     /// `[tokens, heads, head_dim]`, with the same checks and errors. Returns once the output is
-    /// written.
+    /// written, or under [`StreamOrdering::DeviceWaits`] once the kernels are queued with
+    /// CubeCL's next work ordered after them.
     pub fn run(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -199,7 +207,7 @@ impl MmaGla {
                 (&plan.segments.states, state_blocks, &entries.states),
                 (&plan.segments.outputs, output_blocks, &entries.outputs),
             ];
-            sync_client(client)?;
+            self.lib.after_cubecl(client)?;
             for (work, blocks, function) in launches {
                 if blocks == 0 {
                     continue;
@@ -234,7 +242,7 @@ impl MmaGla {
                 unsafe { launch.launch(config) }
                     .map_err(|e| driver_error("mma GLA (launch)", e))?;
             }
-            self.lib.synchronize("mma GLA")?;
+            self.lib.before_cubecl(client, "mma GLA")?;
             Ok(GlaTiling {
                 shared_bytes: shared_bytes(shape.head_dim) as usize,
                 ..plan.tiling

@@ -32,7 +32,7 @@ use cudarc::nvrtc::CompileOptions;
 
 use super::{
     compile_module, driver_error, guarded, handle_ptr, libs, load_function, require_shared_optin,
-    sync_client, LibStream, PtxOrigin,
+    LibStream, PtxOrigin, StreamOrdering,
 };
 use crate::attention::{check_inputs, AttentionShape};
 use crate::error::KernelError;
@@ -175,6 +175,13 @@ impl HopperAttention {
         })
     }
 
+    /// The same kernel with its stream ordered with CubeCL's by `ordering`
+    /// ([`StreamOrdering::HostWaits`] unless set).
+    pub fn with_ordering(mut self, ordering: StreamOrdering) -> Self {
+        self.lib.set_ordering(ordering);
+        self
+    }
+
     /// Whether the kernel computes `shape`: head dimension [`HOPPER_HEAD_DIM`] and a positive
     /// finite scale (the online softmax takes maxima of unscaled scores).
     pub fn supports(shape: &AttentionShape) -> bool {
@@ -196,7 +203,8 @@ impl HopperAttention {
     /// over the keys `j ≤ t` of `t`'s sequence, buffers `[q, k, v, out]` bf16 in the layouts and
     /// with the checks of [`causal_gqa_attention`](crate::attention::causal_gqa_attention).
     /// [`KernelError::Unsupported`] for a shape outside [`supports`](Self::supports). Returns
-    /// once the output is written.
+    /// once the output is written, or under [`StreamOrdering::DeviceWaits`] once the kernel is
+    /// queued with CubeCL's next work ordered after it.
     ///
     /// K and V must be finite: the last key tile of a sequence also holds the next sequence's
     /// first keys, masked to a probability of exactly 0, which clears finite values only.
@@ -335,7 +343,7 @@ impl HopperAttention {
                 let (list, _sync) = work.device_ptr(stream);
                 list + 3 * u64::from(items) * size_of::<u32>() as u64
             };
-            sync_client(client)?;
+            self.lib.after_cubecl(client)?;
             let config = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (THREADS, 1, 1),
@@ -373,7 +381,13 @@ impl HopperAttention {
             unsafe { launch.launch(config) }
                 .map_err(|e| driver_error("Hopper attention (launch)", e))?;
             let end = event("Hopper attention (end event)")?;
-            self.lib.synchronize("Hopper attention")?;
+            // The events are read on the host: a timed run waits for its kernel whatever the
+            // ordering.
+            if timed {
+                self.lib.synchronize("Hopper attention")?;
+            } else {
+                self.lib.before_cubecl(client, "Hopper attention")?;
+            }
             match (start, end) {
                 (Some(start), Some(end)) => start
                     .elapsed_ms(&end)

@@ -23,6 +23,8 @@
 //!   NVRTC for `sm_90a`;
 //! - [`MmaGla`]: chunked Simple GLA on `mma.sync` with its fragments in registers, CUDA C++
 //!   compiled at run time by NVRTC;
+//! - [`StreamOrdering`]: whether the host or the device waits between CubeCL's stream and a
+//!   library's;
 //! - [`PtxCache`]: those two kernels' PTX kept beside CubeCL's kernel cache, so that a run
 //!   after the first does not compile them again.
 //!
@@ -31,7 +33,9 @@
 //! a CubeCL buffer ([`device_ptr`]) can be handed to cuBLAS. CubeCL runs its kernels on its
 //! own streams, the libraries here on a stream of their own; every call therefore waits for
 //! CubeCL's queued work first ([`sync_client`]) and synchronizes its stream before it returns,
-//! so work is ordered whatever runs next.
+//! so work is ordered whatever runs next. The forward's libraries can keep that order on the
+//! device instead ([`StreamOrdering::DeviceWaits`]: a counter each way, no host wait), for the
+//! readers on CubeCL's stream.
 //!
 //! The libraries are loaded at run time (cudarc's dynamic loading): [`library_report`] says
 //! which ones load and why the others do not (the dynamic loader's message names a missing
@@ -41,6 +45,7 @@
 mod attention;
 mod blas;
 mod blas_lt;
+mod fence;
 mod gla_mma;
 mod hopper_attention;
 mod libs;
@@ -59,6 +64,7 @@ pub use blas::{
     CublasGemm, Fp32Math, LinearOutput, LinearShape, XtxRun,
 };
 pub use blas_lt::{linear_residual_bf16, ResidualLinear, LT_WORKSPACE_BYTES};
+pub use fence::StreamOrdering;
 pub use gla_mma::MmaGla;
 pub use hopper_attention::{HopperAttention, HOPPER_HEAD_DIM, HOPPER_ROWS_PER_BLOCK};
 pub use libs::{library_report, LibraryStatus, CUDA_LIBRARIES};
@@ -203,11 +209,12 @@ pub fn pool_reserved_bytes(ordinal: usize) -> Result<u64, KernelError> {
 }
 
 /// A context handle on the device's primary context and one non-blocking stream, shared by
-/// the cuBLAS and cuSOLVER wrappers.
+/// the cuBLAS and cuSOLVER wrappers, and how the stream is ordered with CubeCL's.
 #[derive(Debug)]
 pub(crate) struct LibStream {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    ordering: fence::Ordering,
 }
 
 impl LibStream {
@@ -217,7 +224,41 @@ impl LibStream {
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_error("CUDA stream", e))?;
-        Ok(Self { ctx, stream })
+        Ok(Self {
+            ctx,
+            stream,
+            ordering: fence::Ordering::default(),
+        })
+    }
+
+    /// Orders the stream with CubeCL's by `mode` from now on (host waits by default).
+    pub(crate) fn set_ordering(&mut self, mode: StreamOrdering) {
+        self.ordering = fence::Ordering::new(mode);
+    }
+
+    /// How this stream is ordered with CubeCL's.
+    pub(crate) fn ordering(&self) -> StreamOrdering {
+        self.ordering.mode()
+    }
+
+    /// Orders this stream's next work after the work CubeCL queued on the calling thread: the
+    /// host waits for CubeCL ([`sync_client`]), or the stream waits on the device.
+    pub(crate) fn after_cubecl(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+    ) -> Result<(), KernelError> {
+        self.ordering.library_after_cubecl(client, self)
+    }
+
+    /// Orders the calling thread's next CubeCL work after this stream's queued work: the host
+    /// waits for the stream ([`LibStream::synchronize`]), or CubeCL waits on the device.
+    /// `what` names the call in an error.
+    pub(crate) fn before_cubecl(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        what: &'static str,
+    ) -> Result<(), KernelError> {
+        self.ordering.cubecl_after_library(client, self, what)
     }
 
     /// Makes the context current on the calling thread (CubeCL may have run on another).

@@ -21,7 +21,7 @@ use cubecl::server::Handle;
 use cudarc::driver::CudaEvent;
 
 use super::blas::queue_xtx_runs;
-use super::{device_ptr, driver_error, Bf16Matrix, Cublas, XtxRun};
+use super::{device_ptr, driver_error, Bf16Matrix, Cublas, StreamOrdering, XtxRun};
 use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::hessian::XtxBlocking;
@@ -63,6 +63,14 @@ impl XtxStream {
             limit,
             in_flight: Mutex::new(VecDeque::new()),
         })
+    }
+
+    /// The same stream, waiting for CubeCL's queued work before each product as `ordering`
+    /// says: on the host ([`StreamOrdering::HostWaits`], unless set) or on the device. The
+    /// Hessians are waited for on the host either way ([`XtxStream::wait_for`]).
+    pub fn with_ordering(mut self, ordering: StreamOrdering) -> Self {
+        self.blas.set_ordering(ordering);
+        self
     }
 
     /// The bytes of inputs the products in flight may hold.

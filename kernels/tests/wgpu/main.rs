@@ -30,5 +30,7 @@ mod ptx_cache;
 mod softmax;
 mod solver;
 #[cfg(feature = "cuda")]
+mod stream_ordering;
+#[cfg(feature = "cuda")]
 mod transfer;
 mod weight_error;

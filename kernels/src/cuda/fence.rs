@@ -1,0 +1,278 @@
+//! Ordering between CubeCL's stream and a library's stream kept on the device, so that the
+//! host does not wait at every library call.
+//!
+//! A library call ([`Cublas`](super::Cublas)'s products, [`HopperAttention`](super::HopperAttention),
+//! [`MmaGla`](super::MmaGla)) reads what CubeCL's kernels wrote and writes what CubeCL's next
+//! kernels read. By default ([`StreamOrdering::HostWaits`]) the host waits twice per call: for
+//! CubeCL's queued work before it, for the library's stream after it. The GPU idles through
+//! both round trips, and the host cannot queue ahead.
+//!
+//! With [`StreamOrdering::DeviceWaits`] a [`DeviceFence`] keeps the same order on the device,
+//! through two 32-bit counters in one CubeCL buffer:
+//!
+//! - *library after CubeCL*: CubeCL queues a one-thread kernel that stores ticket `a` into the
+//!   first counter, and the library's stream waits (`cuStreamWaitValue32`, at least `a`) for it
+//!   before its work;
+//! - *CubeCL after library*: the library's stream writes ticket `b` into the second counter
+//!   after its work (`cuStreamWriteValue32`, with its memory barrier: the work's stores are
+//!   visible first), and CubeCL queues a one-thread kernel that polls it until it reads at least
+//!   `b` (an atomic load, which reads past the caches) before its next kernels.
+//!
+//! Tickets only grow, and each counter has one writer in stream order, so a wait never passes
+//! early. Each wait is submitted after the work it waits for (the signal kernel is flushed to
+//! the GPU before the library's stream is told to wait), so two streams that share a hardware
+//! queue cannot hold each other up. Buffers need nothing more: CubeCL reuses a freed buffer only for work queued on its
+//! stream, which now runs after the library's. A fence serves the one host thread that made it
+//! (CubeCL queues each thread's work on a stream of its own); calls from another thread wait on
+//! the host as before.
+
+use std::sync::Mutex;
+use std::thread::ThreadId;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cudarc::driver::sys;
+
+use super::{driver_error, handle_ptr, sync_client, LibStream};
+use crate::device::array_arg;
+use crate::error::{flush, KernelError};
+
+/// How a library's stream is ordered with CubeCL's around each call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamOrdering {
+    /// The host waits for CubeCL's queued work before the call and for the library's stream
+    /// after it (the call's results are complete when it returns).
+    #[default]
+    HostWaits,
+    /// The streams wait for each other on the device ([`DeviceFence`]) and the call returns
+    /// once its work is queued: CubeCL's next kernels still run after it, but a reader outside
+    /// CubeCL's stream must wait for CubeCL first.
+    DeviceWaits,
+}
+
+/// The two counters of a library stream's device-side ordering with CubeCL, and the tickets
+/// last handed out. See the module's documentation.
+#[derive(Debug)]
+pub(crate) struct DeviceFence {
+    /// `[CubeCL's ticket, the library's ticket]`, u32 each (4 words: room for the element
+    /// size CubeCL's arrays are checked with).
+    counters: Handle,
+    /// Device address of the first counter (CubeCL writes, the library's stream waits).
+    cubecl_counter: u64,
+    /// Device address of the second counter (the library's stream writes, CubeCL waits).
+    library_counter: u64,
+    /// The thread whose CubeCL stream the fence orders.
+    owner: ThreadId,
+    /// The last tickets queued: `(CubeCL's, the library's)`.
+    tickets: (u32, u32),
+}
+
+impl DeviceFence {
+    /// Two zeroed counters on CubeCL's device, settled before the first wait reads them.
+    /// Both kernels run once first (ticket 0, which every wait passes), so that one that
+    /// cannot compile or launch fails here instead of leaving a stream waiting for it.
+    fn new(client: &ComputeClient<CudaRuntime>) -> Result<Self, KernelError> {
+        let counters = client.create_from_slice(bytemuck::cast_slice(&[0u32; 4]));
+        launch_signal(client, &counters, 0);
+        launch_await(client, &counters, 0);
+        sync_client(client)?;
+        let base = handle_ptr(client, &counters)?;
+        Ok(Self {
+            counters,
+            cubecl_counter: base,
+            library_counter: base + 4,
+            owner: std::thread::current().id(),
+            tickets: (0, 0),
+        })
+    }
+
+    /// Queues CubeCL's next ticket and makes `lib`'s stream wait for it: `lib`'s next work
+    /// runs after CubeCL's work queued so far.
+    fn library_after_cubecl(
+        &mut self,
+        client: &ComputeClient<CudaRuntime>,
+        lib: &LibStream,
+    ) -> Result<(), KernelError> {
+        let ticket = self.tickets.0.wrapping_add(1);
+        launch_signal(client, &self.counters, ticket);
+        // CubeCL launches from its own thread: the flush returns once the signal is submitted
+        // (and reports a launch that failed). Submitted before the wait, it cannot queue behind
+        // it where the two streams share a hardware queue (CUDA warns that such waits are
+        // invisible to its scheduler); every wait here is submitted after what it waits for.
+        flush(client, "the device fence's signal")?;
+        self.tickets.0 = ticket;
+        lib.bind()?;
+        // SAFETY: the stream belongs to the bound context and the counter is a live word of
+        // `counters`, which this fence holds for as long as the stream may wait on it.
+        unsafe {
+            sys::cuStreamWaitValue32_v2(
+                lib.stream().cu_stream(),
+                self.cubecl_counter,
+                ticket,
+                sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        }
+        .result()
+        .map_err(|e| driver_error("cuStreamWaitValue32 (library after CubeCL)", e))
+    }
+
+    /// Writes the library's next ticket after `lib`'s queued work and makes CubeCL's next
+    /// kernels wait for it. Where the write cannot be queued, the host waits for `lib`'s
+    /// stream instead and the error is returned.
+    fn cubecl_after_library(
+        &mut self,
+        client: &ComputeClient<CudaRuntime>,
+        lib: &LibStream,
+        what: &'static str,
+    ) -> Result<(), KernelError> {
+        let ticket = self.tickets.1.wrapping_add(1);
+        lib.bind()?;
+        // SAFETY: as in `library_after_cubecl`; the write keeps its memory barrier, so the
+        // stream's earlier stores are visible before the ticket is.
+        let written = unsafe {
+            sys::cuStreamWriteValue32_v2(
+                lib.stream().cu_stream(),
+                self.library_counter,
+                ticket,
+                sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        }
+        .result();
+        if let Err(e) = written {
+            // Nothing was queued that CubeCL could wait for: the host orders this call.
+            lib.synchronize(what)?;
+            return Err(driver_error(
+                "cuStreamWriteValue32 (CubeCL after library)",
+                e,
+            ));
+        }
+        self.tickets.1 = ticket;
+        launch_await(client, &self.counters, ticket);
+        Ok(())
+    }
+}
+
+/// A library stream's ordering with CubeCL: the mode and, under
+/// [`StreamOrdering::DeviceWaits`], the fence made at its first use.
+#[derive(Debug, Default)]
+pub(crate) struct Ordering {
+    mode: StreamOrdering,
+    fence: Mutex<Option<DeviceFence>>,
+}
+
+impl Ordering {
+    /// Host waits ([`StreamOrdering::HostWaits`]) or device waits.
+    pub(crate) fn new(mode: StreamOrdering) -> Self {
+        Self {
+            mode,
+            fence: Mutex::new(None),
+        }
+    }
+
+    /// The mode this ordering was made with.
+    pub(crate) fn mode(&self) -> StreamOrdering {
+        self.mode
+    }
+
+    /// Orders `lib`'s next work after CubeCL's queued work on the calling thread.
+    pub(crate) fn library_after_cubecl(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        lib: &LibStream,
+    ) -> Result<(), KernelError> {
+        let on_device = self.on_device(client, |fence| fence.library_after_cubecl(client, lib))?;
+        if !on_device {
+            sync_client(client)?;
+        }
+        Ok(())
+    }
+
+    /// Orders CubeCL's next work on the calling thread after `lib`'s queued work; `what`
+    /// names the call in an error.
+    pub(crate) fn cubecl_after_library(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        lib: &LibStream,
+        what: &'static str,
+    ) -> Result<(), KernelError> {
+        let on_device = self.on_device(client, |fence| {
+            fence.cubecl_after_library(client, lib, what)
+        })?;
+        if !on_device {
+            lib.synchronize(what)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `order` on the fence (made at the first call) where the device waits for the
+    /// calling thread, and says whether it did; `false` where the host waits (the mode, or a
+    /// thread other than the fence's).
+    fn on_device(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        order: impl FnOnce(&mut DeviceFence) -> Result<(), KernelError>,
+    ) -> Result<bool, KernelError> {
+        if self.mode == StreamOrdering::HostWaits {
+            return Ok(false);
+        }
+        let mut slot = self
+            .fence
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let fence = match &mut *slot {
+            Some(fence) => fence,
+            empty => empty.insert(DeviceFence::new(client)?),
+        };
+        if fence.owner != std::thread::current().id() {
+            return Ok(false);
+        }
+        order(fence)?;
+        Ok(true)
+    }
+}
+
+/// Queues [`signal_kernel`] with `ticket` on the calling thread's CubeCL stream.
+fn launch_signal(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
+    signal_kernel::launch::<CudaRuntime>(
+        client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        array_arg(counters),
+        ticket,
+    );
+}
+
+/// Queues [`await_kernel`] with `ticket` on the calling thread's CubeCL stream.
+fn launch_await(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
+    await_kernel::launch::<CudaRuntime>(
+        client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        array_arg(counters),
+        ticket,
+    );
+}
+
+/// `counters[0] ← ticket` (one unit).
+#[cube(launch)]
+fn signal_kernel(counters: &mut Array<Atomic<u32>>, ticket: u32) {
+    if ABSOLUTE_POS == 0 {
+        counters[0].store(ticket);
+    }
+}
+
+/// Returns once `counters[1]` holds at least `ticket` (one unit, polling with atomic loads;
+/// the difference is read as signed, as `cuStreamWaitValue32` reads it, so tickets may wrap).
+#[cube(launch)]
+fn await_kernel(counters: &mut Array<Atomic<u32>>, ticket: u32) {
+    if ABSOLUTE_POS == 0 {
+        loop {
+            // u32 arithmetic wraps on the device.
+            let ahead = counters[1].load() - ticket;
+            if ahead < 0x8000_0000u32 {
+                break;
+            }
+        }
+    }
+}
