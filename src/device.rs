@@ -109,6 +109,11 @@ pub struct GpuPath {
     /// (cuBLASLt) instead of in a pass of its own: the sum is rounded once, so hidden states
     /// may move by a rounding step.
     pub fused_residual: bool,
+    /// Order the forward's library calls (cuBLAS, the NVRTC kernels, the Hessians' stream)
+    /// with CubeCL's kernels on the device instead of waiting on the host around each
+    /// (`sala_kernels::cuda::StreamOrdering::DeviceWaits`). The same work in the same order:
+    /// the result is the same bit for bit.
+    pub device_waits: bool,
 }
 
 /// Device bytes the GPU path's Hessian products in flight may hold beyond the forward's own
@@ -186,14 +191,20 @@ fn run_cuda<J: DeviceJob>(
                 Arc::new(CudaResident(cuda_solver(transfer.clone())?));
             (Box::new(cuda_solver(transfer.clone())?), Some(resident))
         };
-    let mut fast = cuda_fast_ops().with_transfer(transfer);
+    let ordering = if gpu.device_waits {
+        sala_kernels::cuda::StreamOrdering::DeviceWaits
+    } else {
+        sala_kernels::cuda::StreamOrdering::HostWaits
+    };
+    let mut fast = cuda_fast_ops(ordering).with_transfer(transfer);
     if gpu.fused_residual {
         fast = fast.with_fused_residual();
     }
     if !gpu.serial_hessians {
         let stream =
             sala_kernels::cuda::XtxStream::new(0, hessian_in_flight_bytes(DeviceArg::Cuda, gpu))
-                .map_err(|e| format!("the Hessians' own stream: {e}"))?;
+                .map_err(|e| format!("the Hessians' own stream: {e}"))?
+                .with_ordering(ordering);
         fast = fast.with_hessian_stream(Arc::new(stream));
     }
     let fast: Arc<dyn FastOps<CudaBackend>> = Arc::new(fast);
@@ -358,15 +369,16 @@ type CudaSolver = sala_kernels::DeviceSolver<
 >;
 
 /// The model's fast path on device 0: the attention kernel, and cuBLAS linears when cuBLAS
-/// loads (else the linears stay on burn's matmul, with a warning).
+/// loads (else the linears stay on burn's matmul, with a warning); each library's stream
+/// ordered with CubeCL's by `ordering`.
 #[cfg(feature = "cuda")]
-fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
+fn cuda_fast_ops(ordering: sala_kernels::cuda::StreamOrdering) -> sala_gptq::model::CudaFastOps {
     use sala_gptq::model::CudaFastOps;
     use sala_kernels::cuda::Cublas;
     use sala_kernels::cuda::{HopperAttention, MmaGla};
     use std::io::Write;
     let ops = match Cublas::new(0) {
-        Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas)),
+        Ok(blas) => CudaFastOps::with_cublas(Arc::new(blas.with_ordering(ordering))),
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "warning: linears on burn's matmul: {e}");
             CudaFastOps::attention_only()
@@ -376,7 +388,7 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     // other device keeps the CubeCL flash kernel, silently: that is the portable path, not a
     // fault.
     let ops = match HopperAttention::new(0) {
-        Ok(hopper) => ops.with_hopper_attention(Arc::new(hopper)),
+        Ok(hopper) => ops.with_hopper_attention(Arc::new(hopper.with_ordering(ordering))),
         Err(sala_kernels::KernelError::Unsupported { .. }) => ops,
         Err(e) => {
             let _ = writeln!(
@@ -389,7 +401,7 @@ fn cuda_fast_ops() -> sala_gptq::model::CudaFastOps {
     // The GLA on mma.sync from compute capability 8.0; older devices keep the CubeCL kernel
     // (which needs the same tensor cores), silently.
     match MmaGla::new(0) {
-        Ok(gla) => ops.with_mma_gla(Arc::new(gla)),
+        Ok(gla) => ops.with_mma_gla(Arc::new(gla.with_ordering(ordering))),
         Err(sala_kernels::KernelError::Unsupported { .. }) => ops,
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "warning: GLA on the CubeCL kernel: {e}");

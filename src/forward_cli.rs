@@ -71,6 +71,11 @@ pub struct Args {
     /// epilogue (cuBLASLt), as `quantize_sala --fused-residual`.
     #[arg(long)]
     fused_residual: bool,
+    /// With `--device cuda`: the library calls (cuBLAS, the NVRTC kernels) are ordered with
+    /// CubeCL's kernels on the device instead of by the host waiting around each, as
+    /// `quantize_sala --device-waits`. The outputs are the same bit for bit.
+    #[arg(long)]
+    device_waits: bool,
 }
 
 /// What `bench_forward` measured.
@@ -197,6 +202,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         GpuPath {
             host_solver: true,
             fused_residual: args.fused_residual,
+            device_waits: args.device_waits,
             ..GpuPath::default()
         },
         cpu_fast_ops,

@@ -204,6 +204,11 @@ pub struct Args {
     /// instead of twice, so the checkpoint may differ by rounding.
     #[arg(long)]
     fused_residual: bool,
+    /// With `--device cuda`: order the forward's library calls (cuBLAS, the NVRTC kernels, the
+    /// Hessians' stream) with CubeCL's kernels on the device instead of by the host waiting
+    /// around each. The checkpoint is the same bit for bit.
+    #[arg(long)]
+    device_waits: bool,
     /// With `--device cpu`: run the layers with burn-ndarray's graph ops (the reference)
     /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
     #[arg(long)]
@@ -740,6 +745,7 @@ fn gpu_path(args: &Args) -> GpuPath {
         host_solver: args.host_solver,
         serial_hessians: args.serial_hessians,
         fused_residual: args.fused_residual,
+        device_waits: args.device_waits,
     }
 }
 
