@@ -18,14 +18,14 @@
 //!   visible first), and CubeCL queues a one-thread kernel that polls it until it reads at least
 //!   `b` (an atomic load, which reads past the caches) before its next kernels.
 //!
-//! Tickets only grow, and each counter has one writer in stream order, so a wait never passes
-//! early. Each wait is submitted after the work it waits for (the signal kernel is flushed to
+//! Tickets only grow, and each counter has one writer in stream order (each host thread has a
+//! fence of its own, as CubeCL gives it a stream of its own), so a wait never passes early. Each wait is submitted after the work it waits for (the signal kernel is flushed to
 //! the GPU before the library's stream is told to wait), so two streams that share a hardware
 //! queue cannot hold each other up. Buffers need nothing more: CubeCL reuses a freed buffer only for work queued on its
-//! stream, which now runs after the library's. A fence serves the one host thread that made it
-//! (CubeCL queues each thread's work on a stream of its own); calls from another thread wait on
-//! the host as before.
+//! stream, which now runs after the library's.
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::thread::ThreadId;
 
@@ -62,8 +62,6 @@ pub(crate) struct DeviceFence {
     cubecl_counter: u64,
     /// Device address of the second counter (the library's stream writes, CubeCL waits).
     library_counter: u64,
-    /// The thread whose CubeCL stream the fence orders.
-    owner: ThreadId,
     /// The last tickets queued: `(CubeCL's, the library's)`.
     tickets: (u32, u32),
 }
@@ -82,7 +80,6 @@ impl DeviceFence {
             counters,
             cubecl_counter: base,
             library_counter: base + 4,
-            owner: std::thread::current().id(),
             tickets: (0, 0),
         })
     }
@@ -158,7 +155,9 @@ impl DeviceFence {
 #[derive(Debug, Default)]
 pub(crate) struct Ordering {
     mode: StreamOrdering,
-    fence: Mutex<Option<DeviceFence>>,
+    /// One fence per host thread: CubeCL queues each thread's work on a stream of its own,
+    /// and a counter must have one writer in stream order.
+    fences: Mutex<HashMap<ThreadId, DeviceFence>>,
 }
 
 impl Ordering {
@@ -166,7 +165,7 @@ impl Ordering {
     pub(crate) fn new(mode: StreamOrdering) -> Self {
         Self {
             mode,
-            fence: Mutex::new(None),
+            fences: Mutex::new(HashMap::new()),
         }
     }
 
@@ -205,9 +204,8 @@ impl Ordering {
         Ok(())
     }
 
-    /// Runs `order` on the fence (made at the first call) where the device waits for the
-    /// calling thread, and says whether it did; `false` where the host waits (the mode, or a
-    /// thread other than the fence's).
+    /// Runs `order` on the calling thread's fence (made at its first call) where the device
+    /// waits, and says whether it did; `false` where the host waits.
     fn on_device(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -216,17 +214,14 @@ impl Ordering {
         if self.mode == StreamOrdering::HostWaits {
             return Ok(false);
         }
-        let mut slot = self
-            .fence
+        let mut fences = self
+            .fences
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let fence = match &mut *slot {
-            Some(fence) => fence,
-            empty => empty.insert(DeviceFence::new(client)?),
+        let fence = match fences.entry(std::thread::current().id()) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => entry.insert(DeviceFence::new(client)?),
         };
-        if fence.owner != std::thread::current().id() {
-            return Ok(false);
-        }
         order(fence)?;
         Ok(true)
     }

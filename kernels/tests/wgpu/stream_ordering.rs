@@ -1,7 +1,7 @@
 //! Library calls ordered with CubeCL's kernels on the device (`StreamOrdering::DeviceWaits`,
 //! CUDA only) against the host's waits: a chain in which every step reads what the step
 //! before it wrote on the other stream gives the same bits both ways, also from a second host
-//! thread (which falls back to the host's waits).
+//! thread (which gets a fence of its own: CubeCL gives it a stream of its own).
 
 use cubecl::server::Handle;
 use half::bf16;
@@ -101,10 +101,10 @@ fn device_waits_give_the_host_waits_bits() {
         .all(|&b| bf16::from_bits(b).to_f32().is_finite()));
 }
 
-/// A handle whose fence belongs to one thread orders a second thread's calls by the host's
-/// waits: the same bits there too.
+/// A second thread using the same handle (its own CubeCL stream, its own fence) gets the same
+/// bits, and so does the first thread after it.
 #[test]
-fn another_thread_falls_back_to_host_waits() {
+fn another_thread_gets_a_fence_of_its_own() {
     let Some(client) = client() else {
         return;
     };
@@ -121,4 +121,9 @@ fn another_thread_falls_back_to_host_waits() {
             .unwrap();
         assert_eq!(got, want, "another thread");
     });
+    assert_eq!(
+        chain(&client, &device, &h0, &w),
+        want,
+        "the first thread again"
+    );
 }
