@@ -639,7 +639,13 @@ mod cube {
                 Some(_) => "GLA on mma.sync (MmaGla)",
                 None => "GLA on CubeCL's cooperative matrices",
             };
-            format!("{attention}, {gla}, {linears}{residual}")
+            let waits = match self.blas.as_ref().map(|blas| blas.ordering()) {
+                Some(sala_kernels::cuda::StreamOrdering::DeviceWaits) => {
+                    ", library calls ordered on the device"
+                }
+                _ => "",
+            };
+            format!("{attention}, {gla}, {linears}{residual}{waits}")
         }
 
         fn upload_host(
