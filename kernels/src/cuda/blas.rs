@@ -51,6 +51,8 @@ pub struct Cublas {
     /// cuBLASLt's handle and workspace on the same stream, made at the first product that
     /// needs them ([`linear_residual_bf16`](super::linear_residual_bf16)).
     lt: Mutex<Option<LtState>>,
+    /// The multiprocessors the products are sized for (0: all; see [`Cublas::with_ordering`]).
+    sm_count_target: i32,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread; every call below takes `&self` and only
@@ -81,6 +83,7 @@ impl Cublas {
                 lib,
                 handle,
                 lt: Mutex::new(None),
+                sm_count_target: 0,
             })
         })
     }
@@ -92,9 +95,25 @@ impl Cublas {
         self
     }
 
-    /// Orders this handle's stream with CubeCL's by `ordering` from now on.
+    /// Orders this handle's stream with CubeCL's by `ordering` from now on. Under
+    /// [`StreamOrdering::DeviceWaits`] cuBLAS (and cuBLASLt) size their kernels for one
+    /// multiprocessor less, the one CubeCL's polling kernel takes while they run; where the
+    /// device cannot say how many it has, they keep sizing for all (a speed matter only).
     pub(crate) fn set_ordering(&mut self, ordering: StreamOrdering) {
         self.lib.set_ordering(ordering);
+        self.sm_count_target = match (ordering, self.lib.kernel_multiprocessors()) {
+            (StreamOrdering::DeviceWaits, Ok(count)) => count as i32,
+            _ => 0,
+        };
+        if self.lib.bind().is_ok() {
+            // SAFETY: a live handle; 0 restores cuBLAS's own choice (every multiprocessor).
+            let _ = unsafe { sys::cublasSetSmCountTarget(self.handle, self.sm_count_target) };
+        }
+    }
+
+    /// The multiprocessors cuBLAS sizes its kernels for (0: all of them).
+    pub(crate) fn sm_count_target(&self) -> i32 {
+        self.sm_count_target
     }
 
     /// How this handle's stream is ordered with CubeCL's.

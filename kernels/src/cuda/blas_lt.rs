@@ -87,7 +87,7 @@ pub fn linear_residual_bf16(
         empty => empty.insert(LtState::new(blas.lib())?),
     };
     let plan = guarded("cuBLASLt plan", || {
-        LinearPlan::new(lt_state, shape).map_err(lt_error("cuBLASLt plan"))
+        LinearPlan::new(lt_state, shape, blas.sm_count_target()).map_err(lt_error("cuBLASLt plan"))
     })?;
     let lib = blas.lib();
     lib.after_cubecl(client)?;
@@ -181,7 +181,13 @@ impl LinearPlan {
     /// `outᵀ (out × tokens, ld out) = scale · w·xᵀ + hiddenᵀ`, where row-major `w [out, in]`
     /// is column-major `wᵀ` (in × out, ld in, used transposed) and row-major `x [tokens, in]`
     /// is column-major `xᵀ` (in × tokens, ld in).
-    fn new(state: &LtState, shape: LinearShape) -> Result<Self, lt::CublasError> {
+    ///
+    /// `sm_count_target` (0: all) is the multiprocessors the product is sized for.
+    fn new(
+        state: &LtState,
+        shape: LinearShape,
+        sm_count_target: i32,
+    ) -> Result<Self, lt::CublasError> {
         let (m, n, k) = (
             shape.out_features as u64,
             shape.tokens as u64,
@@ -201,6 +207,17 @@ impl LinearPlan {
                 (&transpose as *const cudarc::cublas::sys::cublasOperation_t).cast(),
                 std::mem::size_of::<cudarc::cublas::sys::cublasOperation_t>(),
             )?;
+        }
+        if sm_count_target > 0 {
+            // SAFETY: SM_COUNT_TARGET takes an `i32`, which outlives the call.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                    (&sm_count_target as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )?;
+            }
         }
         let a = Layout(lt::create_matrix_layout(bf16, k, m, k as i64)?);
         let b = Layout(lt::create_matrix_layout(bf16, k, n, k as i64)?);

@@ -51,6 +51,18 @@ pub enum StreamOrdering {
     DeviceWaits,
 }
 
+impl StreamOrdering {
+    /// Multiprocessors a library kernel leaves free: the one CubeCL's polling kernel takes
+    /// while the device waits (a kernel sized to every multiprocessor, with a block that cannot
+    /// sit beside the polling kernel, would run that block after the others), none otherwise.
+    pub(crate) fn reserved_multiprocessors(self) -> u32 {
+        match self {
+            StreamOrdering::DeviceWaits => 1,
+            StreamOrdering::HostWaits => 0,
+        }
+    }
+}
+
 /// The two counters of a library stream's device-side ordering with CubeCL, and the tickets
 /// last handed out. See the module's documentation.
 #[derive(Debug)]

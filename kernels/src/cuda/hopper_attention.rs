@@ -307,7 +307,9 @@ impl HopperAttention {
                     format!("{items} work items × {} KV heads", shape.kv_heads),
                 )
             })?;
-        let blocks = units.min(self.multiprocessors);
+        // Persistent blocks, one per multiprocessor left to this kernel.
+        let reserved = self.lib.ordering().reserved_multiprocessors();
+        let blocks = units.min(self.multiprocessors.saturating_sub(reserved).max(1));
         // `check_inputs` bounded the token count by 32-bit indexing: these fit.
         let (items, heads, kv_heads) = (items as u32, shape.heads as u32, shape.kv_heads as u32);
         let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
