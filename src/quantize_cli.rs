@@ -1149,6 +1149,49 @@ mod tests {
         assert!(Args::try_parse_from(both).is_err());
     }
 
+    /// Each GPU flag sets its own choice of the path and no other; none sets none.
+    #[test]
+    fn gpu_flags_set_their_own_choices() {
+        let path = |flags: &[&str]| {
+            let argv = ["quantize_sala"].iter().chain(flags).copied();
+            gpu_path(&Args::try_parse_from(argv).expect("flags parse"))
+        };
+        assert_eq!(path(&[]), GpuPath::default());
+        let each = [
+            (
+                "--host-solver",
+                GpuPath {
+                    host_solver: true,
+                    ..GpuPath::default()
+                },
+            ),
+            (
+                "--serial-hessians",
+                GpuPath {
+                    serial_hessians: true,
+                    ..GpuPath::default()
+                },
+            ),
+            (
+                "--fused-residual",
+                GpuPath {
+                    fused_residual: true,
+                    ..GpuPath::default()
+                },
+            ),
+            (
+                "--device-waits",
+                GpuPath {
+                    device_waits: true,
+                    ..GpuPath::default()
+                },
+            ),
+        ];
+        for (flag, want) in each {
+            assert_eq!(path(&[flag]), want, "{flag}");
+        }
+    }
+
     #[test]
     fn cuda_is_refused_in_a_build_without_the_feature_before_any_work() {
         let dir = tempfile::tempdir().unwrap();
