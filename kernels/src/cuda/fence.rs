@@ -239,9 +239,18 @@ impl Ordering {
     }
 }
 
-/// Queues [`signal_kernel`] with `ticket` on the calling thread's CubeCL stream.
-fn launch_signal(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
-    signal_kernel::launch::<CudaRuntime>(
+/// A counter kernel's launch function (`signal_kernel::launch` or `await_kernel::launch`).
+type CounterLaunch =
+    fn(&ComputeClient<CudaRuntime>, CubeCount, CubeDim, ArrayArg<CudaRuntime>, u32);
+
+/// Queues a counter kernel on one unit with `ticket` on the calling thread's CubeCL stream.
+fn launch_one_unit(
+    launch: CounterLaunch,
+    client: &ComputeClient<CudaRuntime>,
+    counters: &Handle,
+    ticket: u32,
+) {
+    launch(
         client,
         CubeCount::Static(1, 1, 1),
         CubeDim::new_1d(1),
@@ -250,13 +259,22 @@ fn launch_signal(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket:
     );
 }
 
-/// Queues [`await_kernel`] with `ticket` on the calling thread's CubeCL stream.
-fn launch_await(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
-    await_kernel::launch::<CudaRuntime>(
+/// Queues [`signal_kernel`] with `ticket`.
+fn launch_signal(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
+    launch_one_unit(
+        signal_kernel::launch::<CudaRuntime>,
         client,
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(1),
-        array_arg(counters),
+        counters,
+        ticket,
+    );
+}
+
+/// Queues [`await_kernel`] with `ticket`.
+fn launch_await(client: &ComputeClient<CudaRuntime>, counters: &Handle, ticket: u32) {
+    launch_one_unit(
+        await_kernel::launch::<CudaRuntime>,
+        client,
+        counters,
         ticket,
     );
 }
