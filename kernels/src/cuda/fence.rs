@@ -45,9 +45,11 @@ pub enum StreamOrdering {
     /// after it (the call's results are complete when it returns).
     #[default]
     HostWaits,
-    /// The streams wait for each other on the device ([`DeviceFence`]) and the call returns
-    /// once its work is queued: CubeCL's next kernels still run after it, but a reader outside
-    /// CubeCL's stream must wait for CubeCL first.
+    /// The streams wait for each other on the device (a counter each way:
+    /// `cuStreamWaitValue32` on the library's stream, a one-thread polling kernel on CubeCL's)
+    /// and the call returns once its work is queued: CubeCL's next kernels still run after it,
+    /// but a reader outside CubeCL's stream must wait for CubeCL first. The library's kernels
+    /// leave one multiprocessor to the polling kernel.
     DeviceWaits,
 }
 
