@@ -101,10 +101,15 @@ impl Cublas {
     /// device cannot say how many it has, they keep sizing for all (a speed matter only).
     pub(crate) fn set_ordering(&mut self, ordering: StreamOrdering) {
         self.lib.set_ordering(ordering);
-        self.sm_count_target = match (ordering, self.lib.kernel_multiprocessors()) {
+        let target = match (ordering, self.lib.kernel_multiprocessors()) {
             (StreamOrdering::DeviceWaits, Ok(count)) => count as i32,
             _ => 0,
         };
+        // Host waits on a new handle change nothing: the default path makes no call here.
+        if target == self.sm_count_target {
+            return;
+        }
+        self.sm_count_target = target;
         if self.lib.bind().is_ok() {
             // SAFETY: a live handle; 0 restores cuBLAS's own choice (every multiprocessor).
             let _ = unsafe { sys::cublasSetSmCountTarget(self.handle, self.sm_count_target) };
