@@ -101,8 +101,8 @@ impl Cublas {
     /// device cannot say how many it has, they keep sizing for all (a speed matter only).
     pub(crate) fn set_ordering(&mut self, ordering: StreamOrdering) {
         self.lib.set_ordering(ordering);
-        let target = match (ordering, self.lib.kernel_multiprocessors()) {
-            (StreamOrdering::DeviceWaits, Ok(count)) => count as i32,
+        let target = match (ordering, self.lib.multiprocessors()) {
+            (StreamOrdering::DeviceWaits, Ok(all)) => ordering.kernel_multiprocessors(all) as i32,
             _ => 0,
         };
         // Host waits on a new handle change nothing: the default path makes no call here.
@@ -139,8 +139,9 @@ impl Cublas {
     }
 
     /// Queues `f` (cuBLAS calls on this handle) on this handle's stream after CubeCL's queued
-    /// work, without ordering CubeCL's next work after it: the caller keeps what it reads and writes alive and
-    /// untouched until the stream is done ([`XtxStream`](super::XtxStream) does).
+    /// work, without ordering CubeCL's next work after it: the caller keeps what it reads and
+    /// writes alive and untouched until the stream is done ([`XtxStream`](super::XtxStream)
+    /// does).
     pub(crate) fn queue(
         &self,
         client: &ComputeClient<CudaRuntime>,

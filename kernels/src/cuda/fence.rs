@@ -54,14 +54,16 @@ pub enum StreamOrdering {
 }
 
 impl StreamOrdering {
-    /// Multiprocessors a library kernel leaves free: the one CubeCL's polling kernel takes
-    /// while the device waits (a kernel sized to every multiprocessor, with a block that cannot
-    /// sit beside the polling kernel, would run that block after the others), none otherwise.
-    pub(crate) fn reserved_multiprocessors(self) -> u32 {
-        match self {
+    /// The multiprocessors a library kernel may fill out of the device's `all`: every one, less
+    /// the one CubeCL's polling kernel takes while the device waits (a kernel sized to every
+    /// multiprocessor, with a block that cannot sit beside the polling kernel, would run that
+    /// block after the others). At least one.
+    pub(crate) fn kernel_multiprocessors(self, all: u32) -> u32 {
+        let reserved = match self {
             StreamOrdering::DeviceWaits => 1,
             StreamOrdering::HostWaits => 0,
-        }
+        };
+        all.saturating_sub(reserved).max(1)
     }
 }
 

@@ -150,12 +150,7 @@ impl HopperAttention {
                 ));
             }
             require_shared_optin(ctx, "Hopper attention device", SHARED_BYTES)?;
-            let multiprocessors = ctx
-                .attribute(
-                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                )
-                .map_err(|e| driver_error("Hopper attention (multiprocessors)", e))?
-                .max(1) as u32;
+            let multiprocessors = lib.multiprocessors()?;
             let options = CompileOptions {
                 arch: Some("sm_90a"),
                 options: vec!["-std=c++17".into()],
@@ -308,8 +303,11 @@ impl HopperAttention {
                 )
             })?;
         // Persistent blocks, one per multiprocessor left to this kernel.
-        let reserved = self.lib.ordering().reserved_multiprocessors();
-        let blocks = units.min(self.multiprocessors.saturating_sub(reserved).max(1));
+        let blocks = units.min(
+            self.lib
+                .ordering()
+                .kernel_multiprocessors(self.multiprocessors),
+        );
         // `check_inputs` bounded the token count by 32-bit indexing: these fit.
         let (items, heads, kv_heads) = (items as u32, shape.heads as u32, shape.kv_heads as u32);
         let scale_log2 = shape.scale * std::f32::consts::LOG2_E;

@@ -241,19 +241,15 @@ impl LibStream {
         self.ordering.mode()
     }
 
-    /// The multiprocessors this stream's kernels may fill: the device's, less
-    /// [`StreamOrdering::reserved_multiprocessors`].
-    pub(crate) fn kernel_multiprocessors(&self) -> Result<u32, KernelError> {
-        let all = self
+    /// The device's multiprocessors (at least one).
+    pub(crate) fn multiprocessors(&self) -> Result<u32, KernelError> {
+        let count = self
             .ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
-            .map_err(|e| driver_error("multiprocessor count", e))?
-            .max(1) as u32;
-        Ok(all
-            .saturating_sub(self.ordering().reserved_multiprocessors())
-            .max(1))
+            .map_err(|e| driver_error("multiprocessor count", e))?;
+        Ok(count.max(1) as u32)
     }
 
     /// Orders this stream's next work after the work CubeCL queued on the calling thread: the
