@@ -499,7 +499,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         "plan": plan_json,
         "memory_plan": memory,
         "model": model,
-        "settings": settings(&args),
+        "settings": report_settings(&args),
     });
     let json = serde_json::to_string_pretty(&value)?;
     checkpoint.write_file(sala_export::REPORT_FILE, json.as_bytes())?;
@@ -790,10 +790,10 @@ fn memory_plan(
 }
 
 /// Every flag that changes the numbers or the layout, as the user spells it: the resume
-/// fingerprint's entries and the report's settings.
+/// fingerprint's entries and the start of the report's settings ([`report_settings`]).
 fn settings(args: &Args) -> Vec<(String, String)> {
     let a = args;
-    let flags: [(&str, String); 43] = [
+    let flags: [(&str, String); 44] = [
         ("--recipe", format!("{:?}", a.recipe)),
         ("--bits", a.bits.to_string()),
         ("--group-size", a.group_size.to_string()),
@@ -837,6 +837,8 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--max-device-memory", format!("{:?}", a.max_device_memory)),
         ("--host-statistics", a.host_statistics.to_string()),
         ("--host-solver", a.host_solver.to_string()),
+        // The residual's sum is rounded once instead of twice: other bits on CUDA.
+        ("--fused-residual", a.fused_residual.to_string()),
         ("--graph-ops", a.graph_ops.to_string()),
         ("--profile-ops", a.profile_ops.to_string()),
         ("--pack-tokens", a.pack_tokens.to_string()),
@@ -847,6 +849,24 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         .into_iter()
         .map(|(flag, value)| (flag.to_owned(), value))
         .collect()
+}
+
+/// The report's settings: [`settings`], then the flags that change how the run goes but not
+/// what it writes (a resume may change them: after running out of memory, say), so that the
+/// report names every choice the user made.
+fn report_settings(args: &Args) -> Vec<(String, String)> {
+    let a = args;
+    let mut all = settings(a);
+    all.extend(
+        [
+            ("--no-prefetch", a.no_prefetch.to_string()),
+            ("--serial-hessians", a.serial_hessians.to_string()),
+            ("--device-waits", a.device_waits.to_string()),
+            ("--max-host-memory", format!("{:?}", a.max_host_memory)),
+        ]
+        .map(|(flag, value)| (flag.to_owned(), value)),
+    );
+    all
 }
 
 /// Writes `text` and a newline to standard output and flushes it; the error names standard
@@ -1189,6 +1209,51 @@ mod tests {
         ];
         for (flag, want) in each {
             assert_eq!(path(&[flag]), want, "{flag}");
+        }
+    }
+
+    /// `--fused-residual` changes the checkpoint's bits, so a resume across it is refused (it
+    /// is in the fingerprint); the flags that change only how the run goes are in the report's
+    /// settings and not in the fingerprint, so a resume may change them.
+    #[test]
+    fn resume_identity_holds_what_changes_the_bits_and_the_report_all_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let calib = dir.path().join("calib.jsonl");
+        std::fs::write(&calib, "{\"text\": \"a\"}\n").unwrap();
+        let parse = |flags: &[&str]| {
+            let argv = ["quantize_sala"].iter().chain(flags).copied();
+            Args::try_parse_from(argv).expect("flags parse")
+        };
+        let value = |entries: &[(String, String)], flag: &str| {
+            let found = entries.iter().filter(|(name, _)| name == flag);
+            found.map(|(_, v)| v.clone()).collect::<Vec<_>>()
+        };
+        let identity = |flags: &[&str]| resume_identity(&parse(flags), &calib).unwrap();
+        assert_eq!(value(&identity(&[]), "--fused-residual"), ["false"]);
+        assert_eq!(
+            value(&identity(&["--fused-residual"]), "--fused-residual"),
+            ["true"]
+        );
+        let run_only = [
+            ("--no-prefetch", None),
+            ("--serial-hessians", None),
+            ("--device-waits", None),
+            ("--max-host-memory", Some("4000")),
+        ];
+        for (flag, arg) in run_only {
+            let flags: Vec<&str> = std::iter::once(flag).chain(arg).collect();
+            assert_eq!(
+                identity(&flags),
+                identity(&[]),
+                "{flag} is not in the fingerprint"
+            );
+            let report = report_settings(&parse(&flags));
+            let want = arg.map_or("true".to_owned(), |mb| format!("Some({mb})"));
+            assert_eq!(value(&report, flag), [want], "{flag} in the report");
+            assert_eq!(
+                report[..settings(&parse(&flags)).len()],
+                settings(&parse(&flags))
+            );
         }
     }
 

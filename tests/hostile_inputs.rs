@@ -1690,8 +1690,9 @@ fn nvfp4_killed_and_resumed_is_byte_identical() {
     killed_and_resumed_is_byte_identical("nvfp4");
 }
 
-/// A resume with another option is refused before any compute, naming the flag; the staged
-/// run is left as it was, and resumes with the original flags.
+/// A resume with another option that changes the result is refused before any compute,
+/// naming the flag; the staged run is left as it was, and resumes with the original flags
+/// plus those that change only how the run goes, which its report then names.
 fn resume_with_a_changed_option_is_refused() {
     let env = Env::new();
     env.quantize_killed_after(2, &["--resume"]);
@@ -1699,13 +1700,23 @@ fn resume_with_a_changed_option_is_refused() {
     let before = Snapshot::of(&staged[0]);
     let run = env.quantize(&["--resume", "--damp", "0.02"]);
     assert_refused(&run, &["cannot resume", "--damp", "0.05", "0.02"]);
+    let run = env.quantize(&["--resume", "--fused-residual"]);
+    assert_refused(&run, &["cannot resume", "--fused-residual"]);
     assert_eq!(env.staged_runs(), staged);
     before.assert_intact(&staged[0]);
     assert!(!env.out().exists());
-    let run = env.quantize(&["--resume"]);
+    let run = env.quantize(&["--resume", "--serial-hessians", "--device-waits"]);
     assert_ok(&run);
+    assert!(run.stderr.contains("continuing the staged run"), "{run:?}");
     assert!(sala_export::verify(env.out()).unwrap().is_ok());
     assert_no_debris(&env.out());
+    let report = fs::read_to_string(env.out().join(sala_export::REPORT_FILE)).unwrap();
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    let settings = report["settings"].as_array().unwrap();
+    for flag in ["--serial-hessians", "--device-waits"] {
+        let entry = serde_json::json!([flag, "true"]);
+        assert!(settings.contains(&entry), "{flag}: {settings:?}");
+    }
 }
 
 /// A resume with another calibration file is refused, naming it.
