@@ -31,7 +31,8 @@ pub struct Args {
     /// tiny SALA, fixtures/tiny-sala-trained (fixtures/tiny-sala has random weights).
     #[arg(long)]
     input: Option<PathBuf>,
-    /// Output directory (must not exist unless --overwrite). Default: target/quantized/<model>-<recipe>.
+    /// Output directory (must not exist unless --overwrite). Default:
+    /// target/quantized/MODEL-RECIPE, MODEL the input directory's name and RECIPE gptq or nvfp4.
     #[arg(long)]
     output: Option<PathBuf>,
     /// Recipe.
