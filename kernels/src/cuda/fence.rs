@@ -11,17 +11,24 @@
 //! through two 32-bit counters in one CubeCL buffer:
 //!
 //! - *library after CubeCL*: CubeCL queues a one-thread kernel that stores ticket `a` into the
-//!   first counter, and the library's stream waits (`cuStreamWaitValue32`, at least `a`) for it
-//!   before its work;
-//! - *CubeCL after library*: the library's stream writes ticket `b` into the second counter
-//!   after its work (`cuStreamWriteValue32`, with its memory barrier: the work's stores are
-//!   visible first), and CubeCL queues a one-thread kernel that polls it until it reads at least
-//!   `b` (an atomic load, which reads past the caches) before its next kernels.
+//!   first counter, and the library's stream runs a one-thread kernel (`sala_fence_wait`,
+//!   `stream_fence.cu`) that polls it until it reads at least `a` before its work;
+//! - *CubeCL after library*: the library's stream runs a one-thread kernel
+//!   (`sala_fence_write`) that writes ticket `b` into the second counter after its work (a
+//!   release store: the work's stores are visible first), and CubeCL queues a one-thread
+//!   kernel that polls it until it reads at least `b` (an atomic load, which reads past the
+//!   caches) before its next kernels.
+//!
+//! The library's half is NVRTC kernels, not the driver's stream memory operations
+//! (`cuStreamWaitValue32`, `cuStreamWriteValue32`): on the first GPU that ran this fence (an
+//! H100, driver 580) the driver refused to wait on CubeCL's buffer (CUDA_ERROR_INVALID_VALUE).
 //!
 //! Tickets only grow, and each counter has one writer in stream order (each host thread has a
-//! fence of its own, as CubeCL gives it a stream of its own), so a wait never passes early. Each wait is submitted after the work it waits for (the signal kernel is flushed to
-//! the GPU before the library's stream is told to wait), so two streams that share a hardware
-//! queue cannot hold each other up. Buffers need nothing more: CubeCL reuses a freed buffer only for work queued on its
+//! fence of its own, as CubeCL gives it a stream of its own), so a wait never passes early.
+//! Each wait is submitted after the work it waits for (the signal kernel is flushed to the GPU
+//! before the library's waiting kernel is launched), so two streams that share a hardware
+//! queue, where the later submission runs after the earlier, cannot hold each other up.
+//! Buffers need nothing more: CubeCL reuses a freed buffer only for work queued on its
 //! stream, which now runs after the library's.
 
 use std::collections::hash_map::Entry;
@@ -32,11 +39,15 @@ use std::thread::ThreadId;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use cudarc::driver::sys;
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::CompileOptions;
 
-use super::{driver_error, handle_ptr, sync_client, LibStream};
+use super::{compile_module, driver_error, guarded, handle_ptr, libs, sync_client, LibStream};
 use crate::device::array_arg;
 use crate::error::{flush, KernelError};
+
+/// CUDA C++ of the library stream's half of the fence.
+const SOURCE: &str = include_str!("stream_fence.cu");
 
 /// How a library's stream is ordered with CubeCL's around each call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,9 +56,8 @@ pub enum StreamOrdering {
     /// after it (the call's results are complete when it returns).
     #[default]
     HostWaits,
-    /// The streams wait for each other on the device (a counter each way:
-    /// `cuStreamWaitValue32` on the library's stream, a one-thread polling kernel on CubeCL's)
-    /// and the call returns once its work is queued: CubeCL's next kernels still run after it,
+    /// The streams wait for each other on the device (a counter each way, polled by a
+    /// one-thread kernel on the waiting stream) and the call returns once its work is queued: CubeCL's next kernels still run after it,
     /// but a reader outside CubeCL's stream must wait for CubeCL first. The library's kernels
     /// leave one multiprocessor to the polling kernel.
     DeviceWaits,
@@ -64,6 +74,66 @@ impl StreamOrdering {
             StreamOrdering::HostWaits => 0,
         };
         all.saturating_sub(reserved).max(1)
+    }
+}
+
+/// The library stream's two fence kernels (`stream_fence.cu`), loaded on its context.
+#[derive(Debug)]
+struct LibraryKernels {
+    /// `sala_fence_wait(counter, ticket)`: returns once the counter reaches the ticket.
+    wait: CudaFunction,
+    /// `sala_fence_write(counter, ticket)`: stores the ticket after the stream's earlier work.
+    write: CudaFunction,
+}
+
+impl LibraryKernels {
+    /// Compiles the kernels (or reads their PTX from the cache beside CubeCL's) and loads them
+    /// on `lib`'s context. [`KernelError::Launch`] where NVRTC is missing or the compile or
+    /// load fails.
+    fn load(lib: &LibStream) -> Result<Self, KernelError> {
+        libs::require("nvrtc", "device fence")?;
+        guarded("device fence", || {
+            lib.bind()?;
+            let options = CompileOptions {
+                arch: Some("compute_70"),
+                name: Some("stream_fence.cu".into()),
+                ..Default::default()
+            };
+            let loaded = compile_module(lib.context(), SOURCE, options, "device fence")?;
+            let function = |name| {
+                loaded
+                    .module
+                    .load_function(name)
+                    .map_err(|e| driver_error("device fence", e))
+            };
+            Ok(Self {
+                wait: function("sala_fence_wait")?,
+                write: function("sala_fence_write")?,
+            })
+        })
+    }
+
+    /// Queues `function(counter, ticket)` on one thread of `lib`'s stream.
+    fn launch(
+        lib: &LibStream,
+        function: &CudaFunction,
+        counter: u64,
+        ticket: u32,
+        what: &'static str,
+    ) -> Result<(), KernelError> {
+        lib.bind()?;
+        let mut launch = lib.stream().launch_builder(function);
+        launch.arg(&counter).arg(&ticket);
+        let one_thread = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: both kernels take (u32 pointer, u32) and touch only that word, a live word
+        // of the fence's `counters`, which the fence holds for as long as the stream may use it.
+        unsafe { launch.launch(one_thread) }
+            .map(|_| ())
+            .map_err(|e| driver_error(what, e))
     }
 }
 
@@ -84,18 +154,33 @@ pub(crate) struct DeviceFence {
 
 impl DeviceFence {
     /// Two zeroed counters on CubeCL's device, settled before the first wait reads them.
-    /// Both kernels run once first (ticket 0, which every wait passes), so that one that
-    /// cannot compile or launch fails here instead of leaving a stream waiting for it.
-    fn new(client: &ComputeClient<CudaRuntime>) -> Result<Self, KernelError> {
+    /// Every kernel runs once first (ticket 0, which every wait passes) and the host waits
+    /// for both streams, so that one that cannot compile or launch fails here instead of
+    /// leaving a stream waiting for it.
+    fn new(
+        client: &ComputeClient<CudaRuntime>,
+        lib: &LibStream,
+        kernels: &LibraryKernels,
+    ) -> Result<Self, KernelError> {
         let counters = client.create_from_slice(bytemuck::cast_slice(&[0u32; 4]));
         launch_signal(client, &counters, 0);
         launch_await(client, &counters, 0);
         sync_client(client)?;
         let base = handle_ptr(client, &counters)?;
+        let (cubecl_counter, library_counter) = (base, base + 4);
+        LibraryKernels::launch(lib, &kernels.wait, cubecl_counter, 0, "device fence (wait)")?;
+        LibraryKernels::launch(
+            lib,
+            &kernels.write,
+            library_counter,
+            0,
+            "device fence (write)",
+        )?;
+        lib.synchronize("device fence (first run)")?;
         Ok(Self {
             counters,
-            cubecl_counter: base,
-            library_counter: base + 4,
+            cubecl_counter,
+            library_counter,
             tickets: (0, 0),
         })
     }
@@ -106,28 +191,23 @@ impl DeviceFence {
         &mut self,
         client: &ComputeClient<CudaRuntime>,
         lib: &LibStream,
+        kernels: &LibraryKernels,
     ) -> Result<(), KernelError> {
         let ticket = self.tickets.0.wrapping_add(1);
         launch_signal(client, &self.counters, ticket);
         // CubeCL launches from its own thread: the flush returns once the signal is submitted
-        // (and reports a launch that failed). Submitted before the wait, it cannot queue behind
-        // it where the two streams share a hardware queue (CUDA warns that such waits are
-        // invisible to its scheduler); every wait here is submitted after what it waits for.
+        // (and reports a launch that failed). Submitted before the waiting kernel, it cannot
+        // queue behind it where the two streams share a hardware queue; every wait here is
+        // submitted after what it waits for.
         flush(client, "the device fence's signal")?;
         self.tickets.0 = ticket;
-        lib.bind()?;
-        // SAFETY: the stream belongs to the bound context and the counter is a live word of
-        // `counters`, which this fence holds for as long as the stream may wait on it.
-        unsafe {
-            sys::cuStreamWaitValue32_v2(
-                lib.stream().cu_stream(),
-                self.cubecl_counter,
-                ticket,
-                sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-        }
-        .result()
-        .map_err(|e| driver_error("cuStreamWaitValue32 (library after CubeCL)", e))
+        LibraryKernels::launch(
+            lib,
+            &kernels.wait,
+            self.cubecl_counter,
+            ticket,
+            "device fence (library after CubeCL)",
+        )
     }
 
     /// Writes the library's next ticket after `lib`'s queued work and makes CubeCL's next
@@ -137,28 +217,21 @@ impl DeviceFence {
         &mut self,
         client: &ComputeClient<CudaRuntime>,
         lib: &LibStream,
+        kernels: &LibraryKernels,
         what: &'static str,
     ) -> Result<(), KernelError> {
         let ticket = self.tickets.1.wrapping_add(1);
-        lib.bind()?;
-        // SAFETY: as in `library_after_cubecl`; the write keeps its memory barrier, so the
-        // stream's earlier stores are visible before the ticket is.
-        let written = unsafe {
-            sys::cuStreamWriteValue32_v2(
-                lib.stream().cu_stream(),
-                self.library_counter,
-                ticket,
-                sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-            )
-        }
-        .result();
+        let written = LibraryKernels::launch(
+            lib,
+            &kernels.write,
+            self.library_counter,
+            ticket,
+            "device fence (CubeCL after library)",
+        );
         if let Err(e) = written {
             // Nothing was queued that CubeCL could wait for: the host orders this call.
             lib.synchronize(what)?;
-            return Err(driver_error(
-                "cuStreamWriteValue32 (CubeCL after library)",
-                e,
-            ));
+            return Err(e);
         }
         self.tickets.1 = ticket;
         launch_await(client, &self.counters, ticket);
@@ -166,14 +239,22 @@ impl DeviceFence {
     }
 }
 
+/// The fences of one library stream, and its fence kernels once loaded.
+#[derive(Debug, Default)]
+struct Fences {
+    /// Loaded with the first fence.
+    kernels: Option<LibraryKernels>,
+    /// One fence per host thread: CubeCL queues each thread's work on a stream of its own,
+    /// and a counter must have one writer in stream order.
+    by_thread: HashMap<ThreadId, DeviceFence>,
+}
+
 /// A library stream's ordering with CubeCL: the mode and, under
-/// [`StreamOrdering::DeviceWaits`], the fence made at its first use.
+/// [`StreamOrdering::DeviceWaits`], the fences made at their first use.
 #[derive(Debug, Default)]
 pub(crate) struct Ordering {
     mode: StreamOrdering,
-    /// One fence per host thread: CubeCL queues each thread's work on a stream of its own,
-    /// and a counter must have one writer in stream order.
-    fences: Mutex<HashMap<ThreadId, DeviceFence>>,
+    fences: Mutex<Fences>,
 }
 
 impl Ordering {
@@ -181,7 +262,7 @@ impl Ordering {
     pub(crate) fn new(mode: StreamOrdering) -> Self {
         Self {
             mode,
-            fences: Mutex::new(HashMap::new()),
+            fences: Mutex::new(Fences::default()),
         }
     }
 
@@ -196,7 +277,9 @@ impl Ordering {
         client: &ComputeClient<CudaRuntime>,
         lib: &LibStream,
     ) -> Result<(), KernelError> {
-        let on_device = self.on_device(client, |fence| fence.library_after_cubecl(client, lib))?;
+        let on_device = self.on_device(client, lib, |fence, kernels| {
+            fence.library_after_cubecl(client, lib, kernels)
+        })?;
         if !on_device {
             sync_client(client)?;
         }
@@ -211,8 +294,8 @@ impl Ordering {
         lib: &LibStream,
         what: &'static str,
     ) -> Result<(), KernelError> {
-        let on_device = self.on_device(client, |fence| {
-            fence.cubecl_after_library(client, lib, what)
+        let on_device = self.on_device(client, lib, |fence, kernels| {
+            fence.cubecl_after_library(client, lib, kernels, what)
         })?;
         if !on_device {
             lib.synchronize(what)?;
@@ -220,12 +303,14 @@ impl Ordering {
         Ok(())
     }
 
-    /// Runs `order` on the calling thread's fence (made at its first call) where the device
-    /// waits, and says whether it did; `false` where the host waits.
+    /// Runs `order` on the calling thread's fence (made at its first call, the kernels at the
+    /// first fence's) where the device waits, and says whether it did; `false` where the host
+    /// waits.
     fn on_device(
         &self,
         client: &ComputeClient<CudaRuntime>,
-        order: impl FnOnce(&mut DeviceFence) -> Result<(), KernelError>,
+        lib: &LibStream,
+        order: impl FnOnce(&mut DeviceFence, &LibraryKernels) -> Result<(), KernelError>,
     ) -> Result<bool, KernelError> {
         if self.mode == StreamOrdering::HostWaits {
             return Ok(false);
@@ -234,11 +319,16 @@ impl Ordering {
             .fences
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let fence = match fences.entry(std::thread::current().id()) {
-            Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(entry) => entry.insert(DeviceFence::new(client)?),
+        let Fences { kernels, by_thread } = &mut *fences;
+        let kernels = match kernels {
+            Some(kernels) => kernels,
+            None => kernels.insert(LibraryKernels::load(lib)?),
         };
-        order(fence)?;
+        let fence = match by_thread.entry(std::thread::current().id()) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => entry.insert(DeviceFence::new(client, lib, kernels)?),
+        };
+        order(fence, kernels)?;
         Ok(true)
     }
 }
@@ -292,7 +382,7 @@ fn signal_kernel(counters: &mut Array<Atomic<u32>>, ticket: u32) {
 }
 
 /// Returns once `counters[1]` holds at least `ticket` (one unit, polling with atomic loads;
-/// the difference is read as signed, as `cuStreamWaitValue32` reads it, so tickets may wrap).
+/// the difference is read as signed, as `sala_fence_wait` reads it, so tickets may wrap).
 #[cube(launch)]
 fn await_kernel(counters: &mut Array<Atomic<u32>>, ticket: u32) {
     if ABSOLUTE_POS == 0 {

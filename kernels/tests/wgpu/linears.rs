@@ -129,7 +129,10 @@ fn linear_residual_rounds_the_sum_once_and_leaves_the_residual_alone() {
 }
 
 /// Against the unfused route (the product rounded, scaled, rounded, added, rounded), the fused
-/// sum differs by at most one bf16 step of the sum, and on most elements not at all.
+/// sum differs by at most the unfused route's own rounding: half a bf16 step of the scaled
+/// product twice over and half a step of the sum, plus the fused sum's half step. Where the
+/// residual cancels the scaled product, that is many steps of the small sum (a first GPU run
+/// met -0.00368 against -0.00195 beside terms near 0.5); on most elements they agree exactly.
 #[test]
 fn linear_residual_agrees_with_the_product_then_the_sum() {
     let Some(client) = client() else {
@@ -142,19 +145,28 @@ fn linear_residual_agrees_with_the_product_then_the_sum() {
     let product = upload_bf16(&client, &vec![f32::NAN; len]);
     linear_bf16(&client, &blas, case.shape, &x, &w, &product).unwrap();
     let round = |v: f32| bf16::from_f32(v).to_f32();
-    let unfused: Vec<f32> = download_bf16(&client, &product, len)
+    // (the unfused sum, the rounded scaled product it added)
+    let unfused: Vec<(f32, f32)> = download_bf16(&client, &product, len)
         .iter()
         .zip(&case.hidden)
-        .map(|(&p, &h)| round(h + round(p * case.scale)))
+        .map(|(&p, &h)| {
+            let scaled = round(p * case.scale);
+            (round(h + scaled), scaled)
+        })
         .collect();
     let out = upload_bf16(&client, &vec![f32::NAN; len]);
     let hidden = upload_bf16(&client, &case.hidden);
     fused(&client, &blas, &case, [&x, &w, &hidden, &out]).unwrap();
     let fused = download_bf16(&client, &out, len);
     let mut differ = 0;
-    for (i, (&f, &u)) in fused.iter().zip(&unfused).enumerate() {
-        let step = u.abs().max(f32::MIN_POSITIVE) / 128.0;
-        assert!((f - u).abs() <= step, "element {i}: fused {f}, unfused {u}");
+    for (i, (&f, &(u, scaled))) in fused.iter().zip(&unfused).enumerate() {
+        // A bf16 step is at most 2⁻⁷ of the value: the half steps above come to
+        // (|scaled| + |u|) / 128, with a little room for f32 accumulation orders.
+        let bound = (scaled.abs() + u.abs()) / 128.0 * 1.01 + f32::MIN_POSITIVE;
+        assert!(
+            (f - u).abs() <= bound,
+            "element {i}: fused {f}, unfused {u} (scaled product {scaled})"
+        );
         differ += usize::from(f != u);
     }
     println!("fused and unfused differ on {differ} of {len} elements");
