@@ -95,7 +95,7 @@ impl LibraryKernels {
         guarded("device fence", || {
             lib.bind()?;
             let options = CompileOptions {
-                arch: Some("compute_70"),
+                arch: Some("compute_80"),
                 name: Some("stream_fence.cu".into()),
                 ..Default::default()
             };

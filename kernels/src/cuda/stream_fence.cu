@@ -2,8 +2,9 @@
 // for and write a 32-bit ticket in device memory. CubeCL's half is two CubeCL kernels on its
 // own stream, over the same two counters.
 //
-// Compiled at run time by NVRTC (compute capability 7.0 or newer: `ld.acquire`, `st.release`
-// and `__nanosleep`); no headers. Kernels rather than the driver's stream memory operations
+// Compiled at run time by NVRTC for compute capability 8.0, as the other NVRTC kernels are
+// (the instructions need 7.0: `ld.acquire`, `st.release`, `__nanosleep`; CUDA 13's NVRTC
+// refuses compute_70); no headers. Kernels rather than the driver's stream memory operations
 // (`cuStreamWaitValue32`, `cuStreamWriteValue32`): the first GPU run of the fence (an H100,
 // driver 580) refused `cuStreamWaitValue32` on CubeCL's buffer with CUDA_ERROR_INVALID_VALUE,
 // and a kernel reads any memory a kernel can.
