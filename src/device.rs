@@ -97,7 +97,8 @@ pub trait DeviceJob {
     ) -> Result<Self::Output, Box<dyn Error>>;
 }
 
-/// Choices of the GPU path (only `fused_residual` changes numbers of the result, by rounding).
+/// Choices of the GPU path; the default is the fastest measured. Only `unfused_residual`
+/// changes numbers of the result, by rounding.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GpuPath {
     /// Solve GPTQ and the NVFP4 search on the host (faer) instead of the device kernels.
@@ -105,10 +106,10 @@ pub struct GpuPath {
     /// Run each tap's Hessian products before the forward goes on, instead of on a stream of
     /// their own beside it (which holds up to [`hessian_in_flight_bytes`] of inputs longer).
     pub serial_hessians: bool,
-    /// Add the scaled residual of `o_proj` and `down_proj` in the product's epilogue
-    /// (cuBLASLt) instead of in a pass of its own: the sum is rounded once, so hidden states
-    /// may move by a rounding step.
-    pub fused_residual: bool,
+    /// Add the scaled residual of `o_proj` and `down_proj` in a pass of its own after the
+    /// product instead of in its epilogue (cuBLASLt): the sum is rounded twice instead of
+    /// once, so hidden states may move by a rounding step.
+    pub unfused_residual: bool,
     /// Order the forward's library calls (cuBLAS, the NVRTC kernels, the Hessians' stream)
     /// with CubeCL's kernels on the device instead of waiting on the host around each
     /// (`sala_kernels::cuda::StreamOrdering::DeviceWaits`). The same work in the same order:
@@ -197,7 +198,7 @@ fn run_cuda<J: DeviceJob>(
         sala_kernels::cuda::StreamOrdering::HostWaits
     };
     let mut fast = cuda_fast_ops(ordering).with_transfer(transfer);
-    if gpu.fused_residual {
+    if !gpu.unfused_residual {
         fast = fast.with_fused_residual();
     }
     if !gpu.serial_hessians {

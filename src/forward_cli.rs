@@ -67,10 +67,11 @@ pub struct Args {
     /// ops is the graph's own work). Needs the fast ops (not with `--graph-ops`).
     #[arg(long)]
     profile_ops: bool,
-    /// With `--device cuda`: `o_proj` and `down_proj` add their residual in the product's
-    /// epilogue (cuBLASLt), as `quantize_sala --fused-residual`.
+    /// With `--device cuda`: `o_proj` and `down_proj` add their residual in a pass of its own
+    /// after the product instead of in its epilogue (cuBLASLt), as `quantize_sala
+    /// --unfused-residual`.
     #[arg(long)]
-    fused_residual: bool,
+    unfused_residual: bool,
     /// With `--device cuda`: the library calls (cuBLAS, the NVRTC kernels) are ordered with
     /// CubeCL's kernels on the device instead of by the host waiting around each, as
     /// `quantize_sala --device-waits`. The outputs are the same bit for bit.
@@ -201,7 +202,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         "bench_forward",
         GpuPath {
             host_solver: true,
-            fused_residual: args.fused_residual,
+            unfused_residual: args.unfused_residual,
             device_waits: args.device_waits,
             ..GpuPath::default()
         },

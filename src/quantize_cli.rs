@@ -200,11 +200,11 @@ pub struct Args {
     /// of inputs longer). The checkpoint is the same either way.
     #[arg(long)]
     serial_hessians: bool,
-    /// With `--device cuda`: add `o_proj`'s and `down_proj`'s scaled residual in the
-    /// product's epilogue (cuBLASLt) instead of in a pass of its own. The sum is rounded once
-    /// instead of twice, so the checkpoint may differ by rounding.
+    /// With `--device cuda`: add `o_proj`'s and `down_proj`'s scaled residual in a pass of its
+    /// own after the product (rounded twice), as before the product's epilogue (cuBLASLt) took
+    /// it over; the checkpoint differs from the default's by rounding.
     #[arg(long)]
-    fused_residual: bool,
+    unfused_residual: bool,
     /// With `--device cuda`: order the forward's library calls (cuBLAS, the NVRTC kernels, the
     /// Hessians' stream) with CubeCL's kernels on the device instead of by the host waiting
     /// around each. The checkpoint is the same bit for bit.
@@ -745,7 +745,7 @@ fn gpu_path(args: &Args) -> GpuPath {
     GpuPath {
         host_solver: args.host_solver,
         serial_hessians: args.serial_hessians,
-        fused_residual: args.fused_residual,
+        unfused_residual: args.unfused_residual,
         device_waits: args.device_waits,
     }
 }
@@ -838,8 +838,8 @@ fn settings(args: &Args) -> Vec<(String, String)> {
         ("--max-device-memory", format!("{:?}", a.max_device_memory)),
         ("--host-statistics", a.host_statistics.to_string()),
         ("--host-solver", a.host_solver.to_string()),
-        // The residual's sum is rounded once instead of twice: other bits on CUDA.
-        ("--fused-residual", a.fused_residual.to_string()),
+        // The residual's sum is rounded twice instead of once: other bits on CUDA.
+        ("--unfused-residual", a.unfused_residual.to_string()),
         ("--graph-ops", a.graph_ops.to_string()),
         ("--profile-ops", a.profile_ops.to_string()),
         ("--pack-tokens", a.pack_tokens.to_string()),
@@ -1194,9 +1194,9 @@ mod tests {
                 },
             ),
             (
-                "--fused-residual",
+                "--unfused-residual",
                 GpuPath {
-                    fused_residual: true,
+                    unfused_residual: true,
                     ..GpuPath::default()
                 },
             ),
@@ -1213,7 +1213,7 @@ mod tests {
         }
     }
 
-    /// `--fused-residual` changes the checkpoint's bits, so a resume across it is refused (it
+    /// `--unfused-residual` changes the checkpoint's bits, so a resume across it is refused (it
     /// is in the fingerprint); the flags that change only how the run goes are in the report's
     /// settings and not in the fingerprint, so a resume may change them.
     #[test]
@@ -1230,9 +1230,9 @@ mod tests {
             found.map(|(_, v)| v.clone()).collect::<Vec<_>>()
         };
         let identity = |flags: &[&str]| resume_identity(&parse(flags), &calib).unwrap();
-        assert_eq!(value(&identity(&[]), "--fused-residual"), ["false"]);
+        assert_eq!(value(&identity(&[]), "--unfused-residual"), ["false"]);
         assert_eq!(
-            value(&identity(&["--fused-residual"]), "--fused-residual"),
+            value(&identity(&["--unfused-residual"]), "--unfused-residual"),
             ["true"]
         );
         let run_only = [

@@ -1700,8 +1700,8 @@ fn resume_with_a_changed_option_is_refused() {
     let before = Snapshot::of(&staged[0]);
     let run = env.quantize(&["--resume", "--damp", "0.02"]);
     assert_refused(&run, &["cannot resume", "--damp", "0.05", "0.02"]);
-    let run = env.quantize(&["--resume", "--fused-residual"]);
-    assert_refused(&run, &["cannot resume", "--fused-residual"]);
+    let run = env.quantize(&["--resume", "--unfused-residual"]);
+    assert_refused(&run, &["cannot resume", "--unfused-residual"]);
     assert_eq!(env.staged_runs(), staged);
     before.assert_intact(&staged[0]);
     assert!(!env.out().exists());
