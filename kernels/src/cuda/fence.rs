@@ -42,7 +42,9 @@ use cubecl::server::Handle;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::CompileOptions;
 
-use super::{compile_module, driver_error, guarded, handle_ptr, libs, sync_client, LibStream};
+use super::{
+    compile_module, driver_error, guarded, handle_ptr, libs, load_function, sync_client, LibStream,
+};
 use crate::device::array_arg;
 use crate::error::{flush, KernelError};
 
@@ -57,9 +59,10 @@ pub enum StreamOrdering {
     #[default]
     HostWaits,
     /// The streams wait for each other on the device (a counter each way, polled by a
-    /// one-thread kernel on the waiting stream) and the call returns once its work is queued: CubeCL's next kernels still run after it,
-    /// but a reader outside CubeCL's stream must wait for CubeCL first. The library's kernels
-    /// leave one multiprocessor to the polling kernel.
+    /// one-thread kernel on the waiting stream) and the call returns once its work is queued:
+    /// CubeCL's next kernels still run after it, but a reader outside CubeCL's stream must
+    /// wait for CubeCL first. The library's kernels leave one multiprocessor to the polling
+    /// kernel.
     DeviceWaits,
 }
 
@@ -100,12 +103,7 @@ impl LibraryKernels {
                 ..Default::default()
             };
             let loaded = compile_module(lib.context(), SOURCE, options, "device fence")?;
-            let function = |name| {
-                loaded
-                    .module
-                    .load_function(name)
-                    .map_err(|e| driver_error("device fence", e))
-            };
+            let function = |name| load_function(&loaded.module, name, 0, "device fence");
             Ok(Self {
                 wait: function("sala_fence_wait")?,
                 write: function("sala_fence_write")?,
