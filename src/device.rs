@@ -111,10 +111,11 @@ pub struct GpuPath {
     /// once, so hidden states may move by a rounding step.
     pub unfused_residual: bool,
     /// Order the forward's library calls (cuBLAS, the NVRTC kernels, the Hessians' stream)
-    /// with CubeCL's kernels on the device instead of waiting on the host around each
-    /// (`sala_kernels::cuda::StreamOrdering::DeviceWaits`). The same work in the same order:
-    /// the result is the same bit for bit.
-    pub device_waits: bool,
+    /// with CubeCL's kernels by the host waiting around each
+    /// (`sala_kernels::cuda::StreamOrdering::HostWaits`) instead of on the device (the
+    /// default, `DeviceWaits`). The same work in the same order: the result is the same bit
+    /// for bit.
+    pub host_waits: bool,
 }
 
 /// Device bytes the GPU path's Hessian products in flight may hold beyond the forward's own
@@ -192,10 +193,10 @@ fn run_cuda<J: DeviceJob>(
                 Arc::new(CudaResident(cuda_solver(transfer.clone())?));
             (Box::new(cuda_solver(transfer.clone())?), Some(resident))
         };
-    let ordering = if gpu.device_waits {
-        sala_kernels::cuda::StreamOrdering::DeviceWaits
-    } else {
+    let ordering = if gpu.host_waits {
         sala_kernels::cuda::StreamOrdering::HostWaits
+    } else {
+        sala_kernels::cuda::StreamOrdering::DeviceWaits
     };
     let mut fast = cuda_fast_ops(ordering).with_transfer(transfer);
     if !gpu.unfused_residual {

@@ -73,10 +73,10 @@ pub struct Args {
     #[arg(long)]
     unfused_residual: bool,
     /// With `--device cuda`: the library calls (cuBLAS, the NVRTC kernels) are ordered with
-    /// CubeCL's kernels on the device instead of by the host waiting around each, as
-    /// `quantize_sala --device-waits`. The outputs are the same bit for bit.
+    /// CubeCL's kernels by the host waiting around each instead of on the device, as
+    /// `quantize_sala --host-waits`. The outputs are the same bit for bit.
     #[arg(long)]
-    device_waits: bool,
+    host_waits: bool,
 }
 
 /// What `bench_forward` measured.
@@ -203,7 +203,7 @@ pub fn run(args: Args) -> Result<ForwardReport, Box<dyn Error>> {
         GpuPath {
             host_solver: true,
             unfused_residual: args.unfused_residual,
-            device_waits: args.device_waits,
+            host_waits: args.host_waits,
             ..GpuPath::default()
         },
         cpu_fast_ops,

@@ -206,10 +206,11 @@ pub struct Args {
     #[arg(long)]
     unfused_residual: bool,
     /// With `--device cuda`: order the forward's library calls (cuBLAS, the NVRTC kernels, the
-    /// Hessians' stream) with CubeCL's kernels on the device instead of by the host waiting
-    /// around each. The checkpoint is the same bit for bit.
+    /// Hessians' stream) with CubeCL's kernels by the host waiting around each, instead of on
+    /// the device (a counter each way, polled by a one-thread kernel). The checkpoint is the
+    /// same bit for bit.
     #[arg(long)]
-    device_waits: bool,
+    host_waits: bool,
     /// With `--device cpu`: run the layers with burn-ndarray's graph ops (the reference)
     /// instead of the parallel CPU fast ops (faer GEMMs, fused element-wise passes).
     #[arg(long)]
@@ -746,7 +747,7 @@ fn gpu_path(args: &Args) -> GpuPath {
         host_solver: args.host_solver,
         serial_hessians: args.serial_hessians,
         unfused_residual: args.unfused_residual,
-        device_waits: args.device_waits,
+        host_waits: args.host_waits,
     }
 }
 
@@ -862,7 +863,7 @@ fn report_settings(args: &Args) -> Vec<(String, String)> {
         [
             ("--no-prefetch", a.no_prefetch.to_string()),
             ("--serial-hessians", a.serial_hessians.to_string()),
-            ("--device-waits", a.device_waits.to_string()),
+            ("--host-waits", a.host_waits.to_string()),
             ("--max-host-memory", format!("{:?}", a.max_host_memory)),
         ]
         .map(|(flag, value)| (flag.to_owned(), value)),
@@ -1201,9 +1202,9 @@ mod tests {
                 },
             ),
             (
-                "--device-waits",
+                "--host-waits",
                 GpuPath {
-                    device_waits: true,
+                    host_waits: true,
                     ..GpuPath::default()
                 },
             ),
@@ -1238,7 +1239,7 @@ mod tests {
         let run_only = [
             ("--no-prefetch", None),
             ("--serial-hessians", None),
-            ("--device-waits", None),
+            ("--host-waits", None),
             ("--max-host-memory", Some("4000")),
         ];
         for (flag, arg) in run_only {

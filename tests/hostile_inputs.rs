@@ -1705,7 +1705,7 @@ fn resume_with_a_changed_option_is_refused() {
     assert_eq!(env.staged_runs(), staged);
     before.assert_intact(&staged[0]);
     assert!(!env.out().exists());
-    let run = env.quantize(&["--resume", "--serial-hessians", "--device-waits"]);
+    let run = env.quantize(&["--resume", "--serial-hessians", "--host-waits"]);
     assert_ok(&run);
     assert!(run.stderr.contains("continuing the staged run"), "{run:?}");
     assert!(sala_export::verify(env.out()).unwrap().is_ok());
@@ -1713,7 +1713,7 @@ fn resume_with_a_changed_option_is_refused() {
     let report = fs::read_to_string(env.out().join(sala_export::REPORT_FILE)).unwrap();
     let report: serde_json::Value = serde_json::from_str(&report).unwrap();
     let settings = report["settings"].as_array().unwrap();
-    for flag in ["--serial-hessians", "--device-waits"] {
+    for flag in ["--serial-hessians", "--host-waits"] {
         let entry = serde_json::json!([flag, "true"]);
         assert!(settings.contains(&entry), "{flag}: {settings:?}");
     }
