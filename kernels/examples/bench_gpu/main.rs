@@ -13,8 +13,10 @@
 //!   `CubeGemm`, checked against cuBLAS), TFLOP/s = 2·tokens·in²/t;
 //! - `hessian_sym_BLOCK_{single,batched}` (`xtx_runs_bf16_blocked`: the symmetric product's
 //!   lower blocks, one GEMM each or one strided-batched GEMM per block diagonal, for blocks
-//!   of 2048, 1024 and 512), TFLOP/s of the full product's FLOP (so that they compare by
-//!   time), the fraction of it done and the difference to `hessian_cublas_bf16`;
+//!   of 2048, 1024 and 512) and `hessian_halving_BLOCK_{single,batched}` (the same split by
+//!   recursive halving down to diagonal blocks of 2048, 1024 or 512), TFLOP/s of the full
+//!   product's FLOP (so that they compare by time), the fraction of it done and the
+//!   difference to `hessian_cublas_bf16`;
 //! - `inverse_cusolver` and `inverse_faer_cpu` (H + 1% mean-diagonal damping), check
 //!   max|U_gpu − U_cpu| / max|U|;
 //! - `gptq_cublas`, `gptq_cubecl` (the solve given U) and `*_total` (with the inverse): INT4

@@ -13,7 +13,7 @@ use sala_hessian::{
 use sala_kernels::cuda::{
     inverse_upper_cusolver, inverse_upper_cusolver_timed, library_report, sync_client, xtx_bf16,
     xtx_runs_bf16_blocked, Bf16Matrix, Cublas, CublasGemm, Cusolver, Fp32Math, LibraryStatus,
-    XtxBlocking, XtxRun, XTX_BLOCK,
+    XtxBlocking, XtxRun,
 };
 use sala_kernels::{
     accumulate_xtx, gptq_solve, nvfp4_block_search, nvfp4_gptq_solve, xtx_lower_blocks, CubeGemm,
@@ -449,17 +449,26 @@ fn hessian_stages(
     h_cpu
 }
 
-/// The blockings of the symmetric Hessian `hessian_blocks` compares, by stage name: the
-/// engine's default first.
-const HESSIAN_BLOCKINGS: [(&str, XtxBlocking); 4] = [
-    ("hessian_sym_2048_single", blocking(XTX_BLOCK, false)),
-    ("hessian_sym_2048_batched", blocking(XTX_BLOCK, true)),
-    ("hessian_sym_1024_batched", blocking(1024, true)),
-    ("hessian_sym_512_batched", blocking(512, true)),
+/// The blockings of the symmetric Hessian `hessian_blocks` compares, by stage name (the
+/// engine's default, [`XtxBlocking::default`], is `hessian_halving_1024_batched`).
+const HESSIAN_BLOCKINGS: [(&str, XtxBlocking); 9] = [
+    ("hessian_sym_2048_single", blocking(2048, false, false)),
+    ("hessian_sym_2048_batched", blocking(2048, true, false)),
+    ("hessian_sym_1024_batched", blocking(1024, true, false)),
+    ("hessian_sym_512_batched", blocking(512, true, false)),
+    ("hessian_halving_2048_single", blocking(2048, false, true)),
+    ("hessian_halving_2048_batched", blocking(2048, true, true)),
+    ("hessian_halving_1024_single", blocking(1024, false, true)),
+    ("hessian_halving_1024_batched", blocking(1024, true, true)),
+    ("hessian_halving_512_batched", blocking(512, true, true)),
 ];
 
-const fn blocking(block: usize, batched: bool) -> XtxBlocking {
-    XtxBlocking { block, batched }
+const fn blocking(block: usize, batched: bool, halving: bool) -> XtxBlocking {
+    XtxBlocking {
+        block,
+        batched,
+        halving,
+    }
 }
 
 /// `xtx_runs_bf16_blocked` over one run of all tokens (weight `1/tokens`) into zeros, checked

@@ -446,10 +446,12 @@ pub struct XtxRun {
 
 /// `h ← h + Σ_r weight_r · X_rᵀX_r` over the `runs` of rows of the bf16 activations `x`
 /// `[tokens, dim]`, into the f32 window `h` `[dim, dim]`, using the symmetry: only the blocks
-/// (of [`XTX_BLOCK`](crate::hessian::XTX_BLOCK)) on and below the block diagonal are multiplied (`cublasGemmEx`, bf16
-/// inputs, f32 compute, as [`xtx_bf16`]), then each block below is copied, transposed, above
-/// (`cublasSgeam`). For `n` blocks that is `(n + 1) / 2n` of the full product's work, and the
-/// result is exactly symmetric. All products run in one library call (one host sync).
+/// on and below the diagonal of [`XtxBlocking::default`] (halving down to diagonal blocks of
+/// [`XTX_BLOCK`](crate::hessian::XTX_BLOCK)) are multiplied (`cublasGemmEx`, bf16 inputs, f32
+/// compute, as [`xtx_bf16`]), then each block below is copied, transposed, above
+/// (`cublasSgeam`). For `n` diagonal blocks that is `(n + 1) / 2n` of the full product's work,
+/// and the result is exactly symmetric. All products run in one library call (one host
+/// sync).
 pub fn xtx_runs_bf16(
     client: &ComputeClient<CudaRuntime>,
     blas: &Cublas,

@@ -55,20 +55,28 @@ fn accumulate_xtx_checks_shapes() {
 }
 
 /// Every entry of a `[dim, dim]` product is computed once (a block on or below the block
-/// diagonal) or mirrored once (from a block strictly below it), for both groupings; batched
-/// groups hold equal whole blocks along one block diagonal.
+/// diagonal) or mirrored once (from a block strictly below it), for every grouping: the grid
+/// one GEMM per block or batched (groups of equal whole blocks along one block diagonal), and
+/// recursive halving, single or batched.
 #[test]
 fn lower_blocks_cover_the_product_once() {
-    for dim in [1, 5, 64, 100, 256, 300, 513] {
+    for dim in [0, 1, 5, 64, 100, 256, 300, 513] {
         for block in [1, 16, 64, 100, 256] {
-            for batched in [false, true] {
-                let blocking = XtxBlocking { block, batched };
+            for (batched, halving) in [(false, false), (true, false), (false, true), (true, true)] {
+                let blocking = XtxBlocking {
+                    block,
+                    batched,
+                    halving,
+                };
                 let groups = xtx_lower_blocks(dim, blocking);
                 let mut seen = vec![0u8; dim * dim];
                 for g in &groups {
                     assert!(g.count >= 1, "{blocking:?} dim {dim}: {g:?}");
-                    if g.count > 1 {
+                    if g.count > 1 && !halving {
                         assert_eq!((g.rows, g.cols, g.step), (block, block, block), "{g:?}");
+                    }
+                    if g.row == g.col {
+                        assert!(g.rows <= block, "{blocking:?} dim {dim}: {g:?}");
                     }
                     for (r0, c0) in g.origins() {
                         assert!(r0 >= c0, "{blocking:?} dim {dim}: block at ({r0}, {c0})");
@@ -100,11 +108,17 @@ fn lower_blocks_cover_the_product_once() {
 #[test]
 fn batched_blocks_are_the_single_blocks_grouped_by_diagonal() {
     let blocks = |batched| {
-        let mut all: Vec<(usize, usize, usize, usize)> =
-            xtx_lower_blocks(300, XtxBlocking { block: 64, batched })
-                .iter()
-                .flat_map(|g| g.origins().map(move |(r, c)| (r, c, g.rows, g.cols)))
-                .collect();
+        let mut all: Vec<(usize, usize, usize, usize)> = xtx_lower_blocks(
+            300,
+            XtxBlocking {
+                block: 64,
+                batched,
+                halving: false,
+            },
+        )
+        .iter()
+        .flat_map(|g| g.origins().map(move |(r, c)| (r, c, g.rows, g.cols)))
+        .collect();
         all.sort_unstable();
         all
     };
@@ -115,7 +129,8 @@ fn batched_blocks_are_the_single_blocks_grouped_by_diagonal() {
             300,
             XtxBlocking {
                 block: 64,
-                batched: true
+                batched: true,
+                halving: false,
             }
         )
         .len(),
@@ -126,11 +141,46 @@ fn batched_blocks_are_the_single_blocks_grouped_by_diagonal() {
             300,
             XtxBlocking {
                 block: 64,
-                batched: false
+                batched: false,
+                halving: false,
             }
         )
         .len(),
         15
+    );
+}
+
+/// Halving a power-of-two multiple of the block computes the grid's entries in fewer, larger
+/// GEMMs: at 16384 / 2048 (the down_proj Hessian) one 8192-wide rectangle, two 4096-wide,
+/// four 2048-wide and the 8 diagonal blocks; batched, one call per level.
+#[test]
+fn halving_computes_the_grids_entries_in_fewer_larger_products() {
+    let plan = |batched, halving| {
+        xtx_lower_blocks(
+            16384,
+            XtxBlocking {
+                block: 2048,
+                batched,
+                halving,
+            },
+        )
+    };
+    let entries = |groups: &[sala_kernels::XtxBlocks]| -> usize {
+        groups.iter().map(|g| g.count * g.rows * g.cols).sum()
+    };
+    let (grid, halving, batched) = (plan(false, false), plan(false, true), plan(true, true));
+    assert_eq!(entries(&halving), entries(&grid));
+    assert_eq!(entries(&batched), entries(&grid));
+    assert_eq!((grid.len(), halving.len(), batched.len()), (36, 15, 4));
+    let shapes: Vec<_> = batched.iter().map(|g| (g.rows, g.count, g.step)).collect();
+    assert_eq!(
+        shapes,
+        [
+            (8192, 1, 0),
+            (4096, 2, 8192),
+            (2048, 4, 4096),
+            (2048, 8, 2048)
+        ]
     );
 }
 
@@ -164,13 +214,31 @@ mod cuda_runs {
                 XtxBlocking {
                     block: 256,
                     batched: true,
+                    halving: false,
                 },
                 3 * 256 + 40,
             ),
             (
                 XtxBlocking {
+                    block: 256,
+                    batched: true,
+                    halving: true,
+                },
+                3 * 256 + 40,
+            ),
+            (
+                XtxBlocking {
+                    block: 512,
+                    batched: true,
+                    halving: true,
+                },
+                2 * XTX_BLOCK + 100,
+            ),
+            (
+                XtxBlocking {
                     block: XTX_BLOCK,
                     batched: true,
+                    halving: false,
                 },
                 2 * XTX_BLOCK + 100,
             ),
