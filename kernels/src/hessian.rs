@@ -55,7 +55,8 @@ pub const XTX_BLOCK: usize = 1024;
 /// below the block diagonal are multiplied, the others mirrored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct XtxBlocking {
-    /// Rows and columns per block (the last block of each row and column takes the rest).
+    /// Rows and columns per block of the grid (the last block of each row and column takes
+    /// the rest); with `halving`, the widest diagonal block.
     pub block: usize,
     /// One strided-batched GEMM per group of equal blocks instead of one GEMM per block: per
     /// block diagonal on the grid, per level of halving. For `n` blocks per side the
