@@ -126,30 +126,16 @@ pub fn xtx_lower_blocks(dim: usize, blocking: XtxBlocking) -> Vec<XtxBlocks> {
         count: 1,
         step: 0,
     };
-    let mut groups = Vec::new();
-    if blocking.batched {
-        // The whole blocks, one group per block diagonal; the ragged last row of blocks alone.
-        let whole = dim / block;
-        for d in 0..whole {
-            groups.push(XtxBlocks {
-                row: d * block,
-                col: 0,
-                rows: block,
-                cols: block,
-                count: whole - d,
-                step: block,
-            });
-        }
-        if whole < starts.len() {
-            let row = whole * block;
-            groups.extend(starts.iter().map(|&col| single(row, col)));
-        }
-    } else {
-        for (i, &row) in starts.iter().enumerate() {
-            groups.extend(starts[..=i].iter().map(|&col| single(row, col)));
-        }
+    let mut blocks = Vec::new();
+    for (i, &row) in starts.iter().enumerate() {
+        blocks.extend(starts[..=i].iter().map(|&col| single(row, col)));
     }
-    groups
+    if blocking.batched {
+        // Block diagonal by block diagonal, so that each one's whole blocks are consecutive
+        // (the ragged last row's blocks differ in shape and stay alone).
+        blocks.sort_by_key(|b| (b.row - b.col, b.col));
+    }
+    batch_equal_blocks(blocks, blocking.batched)
 }
 
 /// [`xtx_lower_blocks`] by recursive halving: level by level, the rectangle below the
