@@ -474,7 +474,9 @@ mod cube {
 
         /// The same, queueing the bf16 Hessian products (with cuBLAS) on `hessians`' stream:
         /// they run beside the forward's next steps instead of holding them up, and
-        /// [`FastOps::settle_grams`] waits for them. Each Hessian's sum is the same bit for bit.
+        /// [`FastOps::settle_grams`] waits for them (and fills each Hessian's blocks above the
+        /// diagonal then, once, instead of after every product). Each Hessian's sum is the
+        /// same bit for bit.
         pub fn with_hessian_stream(self, hessians: Arc<XtxStream>) -> Self {
             Self {
                 hessians: Some(hessians),
@@ -723,9 +725,10 @@ mod cube {
                 row_stride: dim,
             };
             if let Some(hessians) = &self.hessians {
-                // Products still queued into h hold its buffer (and write it).
+                // Products still queued into h hold its buffer (and write it). Its blocks above
+                // the diagonal are filled once, when settle_grams precedes reading it.
                 hessians
-                    .wait_for(&h.client, &square(&h))
+                    .wait_for_products(&h.client, &square(&h))
                     .map_err(kernel_error("XᵀX"))?;
             }
             // β = 1 accumulates into h's own buffer: it must not be shared.

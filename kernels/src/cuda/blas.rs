@@ -20,7 +20,7 @@ use super::{device_ptr, dim_i32, guarded, handle_ptr, libs, LibStream, StreamOrd
 use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::gemm::{check_gemm_shapes, Gemm};
-use crate::hessian::{xtx_lower_blocks, XtxBlocking};
+use crate::hessian::{xtx_lower_blocks, XtxBlocking, XtxBlocks};
 
 /// How cuBLAS may compute an FP32 product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -473,13 +473,15 @@ pub fn xtx_runs_bf16_blocked(
     h: &MatrixView,
     blocking: XtxBlocking,
 ) -> Result<(), KernelError> {
-    queue_xtx_runs(client, blas, x, runs, h, blocking)?;
+    queue_xtx_runs(client, blas, x, runs, h, blocking, true)?;
     blas.lib
         .before_cubecl(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)")
 }
 
 /// [`xtx_runs_bf16_blocked`] queued on `blas`'s stream without waiting for it: `x` and `h`
-/// must stay alive and untouched until that stream is done.
+/// must stay alive and untouched until that stream is done. With `mirror` false only the
+/// blocks on and below the diagonal are written; [`queue_xtx_mirrors`] fills the rest later
+/// (once for many products into one Hessian, instead of once per product).
 pub(crate) fn queue_xtx_runs(
     client: &ComputeClient<CudaRuntime>,
     blas: &Cublas,
@@ -487,6 +489,7 @@ pub(crate) fn queue_xtx_runs(
     runs: &[XtxRun],
     h: &MatrixView,
     blocking: XtxBlocking,
+    mirror: bool,
 ) -> Result<(), KernelError> {
     let (tokens, dim) = check_xtx_operands(x, h)?;
     if let Some(r) = runs.iter().find(|r| r.first_row + r.rows > tokens) {
@@ -504,10 +507,8 @@ pub(crate) fn queue_xtx_runs(
     }
     let groups = xtx_lower_blocks(dim, blocking);
     let x_ptr = handle_ptr(client, &x.handle)?;
-    let h_ptr = device_ptr(client, h)?;
-    let stride = ld(h)?;
+    let h = XtxTarget::of(client, h)?;
     let lda = dim_i32("xtx dim", dim)?;
-    let at = |row: usize, col: usize| h_ptr + ((row * h.row_stride + col) * 4) as u64;
     let mut products = Vec::new();
     for run in runs.iter().filter(|r| r.rows > 0) {
         let first = x_ptr + (run.first_row * dim * 2) as u64;
@@ -522,7 +523,7 @@ pub(crate) fn queue_xtx_runs(
                 k: dim_i32("xtx tokens", run.rows)?,
                 x1: (first + (g.col * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
                 x2: (first + (g.row * 2) as u64, lda, cudaDataType::CUDA_R_16BF),
-                c: (at(g.row, g.col), stride, cudaDataType::CUDA_R_32F),
+                c: (h.at(g.row, g.col), h.ld()?, cudaDataType::CUDA_R_32F),
                 alpha: run.weight,
                 beta: 1.0,
                 compute: cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -537,18 +538,10 @@ pub(crate) fn queue_xtx_runs(
             products.push((call, g.count, strides));
         }
     }
-    // Block (j, i) above the diagonal is the transpose of block (i, j) below it.
-    let mut mirrors = Vec::new();
-    for g in &groups {
-        for (i0, j0) in g.origins().filter(|&(i0, j0)| i0 != j0) {
-            mirrors.push((
-                at(i0, j0),
-                at(j0, i0),
-                dim_i32("xtx block", g.rows)?,
-                dim_i32("xtx block", g.cols)?,
-            ));
-        }
-    }
+    let mirrors = match mirror {
+        true => h.mirrors(&groups)?,
+        false => Vec::new(),
+    };
     blas.queue(client, "cublasGemmEx + cublasSgeam (bf16 XᵀX)", |handle| {
         for (call, count, strides) in &products {
             match count {
@@ -556,31 +549,118 @@ pub(crate) fn queue_xtx_runs(
                 _ => call.launch_strided_batched(handle, *count, *strides)?,
             }
         }
-        let (one, zero) = (1.0f32, 0.0f32);
-        for &(below, above, m, n) in &mirrors {
-            // SAFETY: both blocks lie inside the checked window `h` and do not overlap; the
-            // destination doubles as the unread `B` (β = 0, in place: transb N, ldb = ldc).
-            let status = unsafe {
-                sys::cublasSgeam(
-                    handle,
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    n,
-                    &one,
-                    below as *const f32,
-                    stride,
-                    &zero,
-                    above as *const f32,
-                    stride,
-                    above as *mut f32,
-                    stride,
-                )
-            };
-            status.result().map_err(blas_error("cublasSgeam"))?;
-        }
-        Ok(())
+        launch_mirrors(handle, &mirrors)
     })
+}
+
+/// Queues on `blas`'s stream the copies that fill the blocks above the diagonal of each
+/// Hessian of `targets` from those below, as [`queue_xtx_runs`] leaves them with `mirror`
+/// false under `blocking`: the Hessians must stay alive and untouched until the stream is done.
+pub(crate) fn queue_xtx_mirrors(
+    client: &ComputeClient<CudaRuntime>,
+    blas: &Cublas,
+    targets: &[XtxTarget],
+    blocking: XtxBlocking,
+) -> Result<(), KernelError> {
+    let mut mirrors = Vec::new();
+    for h in targets {
+        mirrors.extend(h.mirrors(&xtx_lower_blocks(h.dim, blocking))?);
+    }
+    if mirrors.is_empty() {
+        return Ok(());
+    }
+    blas.queue(client, "cublasSgeam (XᵀX mirror)", |handle| {
+        launch_mirrors(handle, &mirrors)
+    })
+}
+
+/// Where a Hessian `[dim, dim]` f32 lies on the device: what its products and mirrors address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct XtxTarget {
+    /// Device address of entry `(0, 0)`.
+    pub ptr: u64,
+    /// Rows and columns.
+    pub dim: usize,
+    /// Elements from one row to the next.
+    pub row_stride: usize,
+}
+
+impl XtxTarget {
+    /// The window `h` (checked against its buffer).
+    pub fn of(client: &ComputeClient<CudaRuntime>, h: &MatrixView) -> Result<Self, KernelError> {
+        Ok(Self {
+            ptr: device_ptr(client, h)?,
+            dim: h.rows,
+            row_stride: h.row_stride,
+        })
+    }
+
+    /// The device address of entry `(row, col)`.
+    fn at(&self, row: usize, col: usize) -> u64 {
+        self.ptr + ((row * self.row_stride + col) * 4) as u64
+    }
+
+    /// The leading dimension cuBLAS reads.
+    fn ld(&self) -> Result<i32, KernelError> {
+        dim_i32("xtx row stride", self.row_stride)
+    }
+
+    /// One copy per block strictly below the diagonal of `groups`, transposed to the block
+    /// above it (block `(j, i)` is the transpose of block `(i, j)`).
+    fn mirrors(&self, groups: &[XtxBlocks]) -> Result<Vec<Mirror>, KernelError> {
+        let mut mirrors = Vec::new();
+        for g in groups {
+            for (i0, j0) in g.origins().filter(|&(i0, j0)| i0 != j0) {
+                mirrors.push(Mirror {
+                    below: self.at(i0, j0),
+                    above: self.at(j0, i0),
+                    rows: dim_i32("xtx block", g.rows)?,
+                    cols: dim_i32("xtx block", g.cols)?,
+                    ld: self.ld()?,
+                });
+            }
+        }
+        Ok(mirrors)
+    }
+}
+
+/// One block below the diagonal copied, transposed, above it.
+#[derive(Debug, Clone, Copy)]
+struct Mirror {
+    below: u64,
+    above: u64,
+    /// Rows and columns of the block below.
+    rows: i32,
+    cols: i32,
+    ld: i32,
+}
+
+/// Launches `mirrors` (`cublasSgeam`) on `handle`.
+fn launch_mirrors(handle: sys::cublasHandle_t, mirrors: &[Mirror]) -> Result<(), KernelError> {
+    let (one, zero) = (1.0f32, 0.0f32);
+    for m in mirrors {
+        // SAFETY: both blocks lie inside a checked Hessian window and do not overlap; the
+        // destination doubles as the unread `B` (β = 0, in place: transb N, ldb = ldc).
+        let status = unsafe {
+            sys::cublasSgeam(
+                handle,
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m.rows,
+                m.cols,
+                &one,
+                m.below as *const f32,
+                m.ld,
+                &zero,
+                m.above as *const f32,
+                m.ld,
+                m.above as *mut f32,
+                m.ld,
+            )
+        };
+        status.result().map_err(blas_error("cublasSgeam"))?;
+    }
+    Ok(())
 }
 
 /// The shape of a linear layer's product `y = x·wᵀ`: `x` `[tokens, in_features]`, `w`

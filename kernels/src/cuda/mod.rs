@@ -8,7 +8,7 @@
 //! - [`inverse_upper_cusolver`]: the upper Cholesky factor `U` of `H⁻¹` by one Cholesky and
 //!   one triangular inverse (cuSOLVER), the factor GPTQ propagates its errors with;
 //! - [`XtxStream`]: the same Hessian products queued on a stream of their own, so that they run
-//!   beside the forward pass;
+//!   beside the forward pass, each Hessian's upper blocks filled once when it is read;
 //! - [`DriverTransfer`]: host ↔ device copies through the driver (CubeCL's pinned staging is
 //!   slow for large buffers);
 //! - [`blocked_causal_attention_bf16`]: causal GQA attention for long sequences, the products

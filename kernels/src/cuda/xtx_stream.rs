@@ -8,20 +8,26 @@
 //! returns at once, holding the input's buffer until they are done. Products into one
 //! Hessian keep their order (one stream), so the sums are the same bit for bit.
 //!
-//! What the caller must keep: a Hessian queued here is read or written by CubeCL only after
-//! [`XtxStream::wait_for`] on its buffer or [`XtxStream::settle`]. The inputs need nothing:
-//! the stream holds their buffers until its products are done.
+//! The products write the blocks on and below the diagonal only. The copies that fill the
+//! blocks above (about 1 GB read and written for a 16384-wide Hessian) run once per Hessian,
+//! when it is read ([`XtxStream::wait_for`], [`XtxStream::settle`]), instead of once per
+//! product: a layer's Hessian sums a hundred packs or more.
+//!
+//! What the caller must keep: a Hessian queued here is read by CubeCL only after
+//! [`XtxStream::wait_for`] on its buffer or [`XtxStream::settle`], and written only after
+//! those or [`XtxStream::wait_for_products`]. The inputs need nothing: the stream holds their
+//! buffers until its products are done, and a Hessian's buffer until it is mirrored.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
-use cubecl::server::Handle;
+use cubecl::server::{Binding, Handle};
 use cudarc::driver::CudaEvent;
 
-use super::blas::queue_xtx_runs;
-use super::{device_ptr, driver_error, Bf16Matrix, Cublas, StreamOrdering, XtxRun};
+use super::blas::{queue_xtx_mirrors, queue_xtx_runs, XtxTarget};
+use super::{driver_error, Bf16Matrix, Cublas, StreamOrdering, XtxRun};
 use crate::device::MatrixView;
 use crate::error::KernelError;
 use crate::hessian::XtxBlocking;
@@ -38,20 +44,51 @@ pub const XTX_IN_FLIGHT_BYTES: u64 = 640 << 20;
 pub struct XtxStream {
     blas: Cublas,
     limit: u64,
-    in_flight: Mutex<VecDeque<InFlight>>,
+    queued: Mutex<Queued>,
 }
 
-/// One queued product: done when `done` completes; holds its input and Hessian until then.
+/// What the stream has queued and not yet seen done, and the Hessians still to mirror.
+#[derive(Default)]
+struct Queued {
+    in_flight: VecDeque<InFlight>,
+    unmirrored: Vec<Unmirrored>,
+    /// The client of the last products queued: the one their mirrors are ordered with.
+    client: Option<ComputeClient<CudaRuntime>>,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued")
+            .field("in_flight", &self.in_flight)
+            .field("unmirrored", &self.unmirrored)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One queued call (products or mirrors): done when `done` completes; holds the buffers it
+/// reads and writes until then.
 #[derive(Debug)]
 struct InFlight {
     done: CudaEvent,
-    /// The device address of the Hessian it writes.
-    hessian: u64,
-    /// The input's buffer and the Hessian's: neither may be freed (and reused by CubeCL) while
-    /// the product reads or writes it.
-    _keep: [Handle; 2],
-    /// Bytes of the input's buffer.
+    /// The device addresses of the Hessians it writes.
+    hessians: Vec<u64>,
+    /// A product's input buffer and its Hessian's: neither may be freed (and reused by
+    /// CubeCL), nor written in place by CubeCL, while the product reads or writes it.
+    _buffers: Vec<Handle>,
+    /// The Hessians a mirror writes (their buffers held).
+    _mirrored: Vec<Unmirrored>,
+    /// Bytes of the input's buffer (0 for mirrors).
     bytes: u64,
+}
+
+/// A Hessian whose products were queued and whose blocks above the diagonal are not yet
+/// filled. The binding keeps its buffer allocated (a caller that drops the Hessian before
+/// reading it must not see its memory written by the mirror) without counting as a handle,
+/// so that the caller may still accumulate into it in place.
+#[derive(Debug)]
+struct Unmirrored {
+    target: XtxTarget,
+    _buffer: Binding,
 }
 
 impl XtxStream {
@@ -61,7 +98,7 @@ impl XtxStream {
         Ok(Self {
             blas: Cublas::new(ordinal)?,
             limit,
-            in_flight: Mutex::new(VecDeque::new()),
+            queued: Mutex::new(Queued::default()),
         })
     }
 
@@ -81,8 +118,10 @@ impl XtxStream {
     /// Queues `h ← h + Σ_r weight_r · X_rᵀX_r` over the `runs` of rows of `x` `[tokens, dim]`
     /// (bf16) into the f32 window `h` `[dim, dim]`, as
     /// [`xtx_runs_bf16`](super::xtx_runs_bf16) computes it, after CubeCL's queued work (which
-    /// wrote `x`). Waits first for the products writing `h`'s buffer and for the oldest until
-    /// this one fits in the limit (and for this one where it alone does not).
+    /// wrote `x`), less the blocks above the diagonal: those are filled from the blocks below
+    /// once, by the [`XtxStream::wait_for`] or [`XtxStream::settle`] that precedes reading
+    /// `h`. Waits first for the products writing `h`'s buffer and for the oldest until this
+    /// one fits in the limit (and for this one where it alone does not).
     pub fn queue(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -90,13 +129,120 @@ impl XtxStream {
         runs: &[XtxRun],
         h: &MatrixView,
     ) -> Result<(), KernelError> {
-        let hessian = device_ptr(client, h)?;
+        let target = XtxTarget::of(client, h)?;
         let bytes = x.handle.size_in_used();
-        let mut in_flight = self.lock()?;
-        retire(&mut in_flight, |queued, held| {
-            queued.hessian == hessian || held + bytes > self.limit
+        let mut queued = self.lock()?;
+        retire(&mut queued.in_flight, |q, held| {
+            q.hessians.contains(&target.ptr) || held + bytes > self.limit
         })?;
-        queue_xtx_runs(client, &self.blas, x, runs, h, XtxBlocking::default())?;
+        queue_xtx_runs(
+            client,
+            &self.blas,
+            x,
+            runs,
+            h,
+            XtxBlocking::default(),
+            false,
+        )?;
+        queued.client = Some(client.clone());
+        if !queued.unmirrored.iter().any(|u| u.target == target) {
+            queued.unmirrored.push(Unmirrored {
+                target,
+                _buffer: h.handle.clone().binding(),
+            });
+        }
+        let done = self.record()?;
+        queued.in_flight.push_back(InFlight {
+            done,
+            hessians: vec![target.ptr],
+            _buffers: vec![x.handle.clone(), h.handle.clone()],
+            _mirrored: Vec::new(),
+            bytes,
+        });
+        // An input larger than the limit by itself is waited for at once: the stream never
+        // holds more than the limit past the caller's use.
+        retire(&mut queued.in_flight, |_, held| held > self.limit)
+    }
+
+    /// Fills the blocks above the diagonal of the Hessian `h` and waits for its queued
+    /// products and that copy (and for those queued before them): afterwards CubeCL may read
+    /// or write it.
+    pub fn wait_for(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        h: &MatrixView,
+    ) -> Result<(), KernelError> {
+        let target = XtxTarget::of(client, h)?;
+        let mut queued = self.lock()?;
+        self.mirror(client, &mut queued, |u| u.target == target)?;
+        retire(&mut queued.in_flight, |q, _| {
+            q.hessians.contains(&target.ptr)
+        })
+    }
+
+    /// Waits for the queued products that write the Hessian `h` (and those queued before
+    /// them), leaving its blocks above the diagonal unfilled: afterwards CubeCL may write it
+    /// in place, or copy it, and queue more products into it; it is read only after
+    /// [`XtxStream::wait_for`] or [`XtxStream::settle`].
+    pub fn wait_for_products(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        h: &MatrixView,
+    ) -> Result<(), KernelError> {
+        let hessian = XtxTarget::of(client, h)?.ptr;
+        let mut queued = self.lock()?;
+        retire(&mut queued.in_flight, |q, _| q.hessians.contains(&hessian))
+    }
+
+    /// Fills the blocks above the diagonal of every Hessian queued into and waits for every
+    /// queued call.
+    pub fn settle(&self) -> Result<(), KernelError> {
+        let mut queued = self.lock()?;
+        if let Some(client) = queued.client.clone() {
+            self.mirror(&client, &mut queued, |_| true)?;
+        }
+        retire(&mut queued.in_flight, |_, _| true)
+    }
+
+    /// Calls (products or mirrors) queued and not yet known to be done.
+    pub fn in_flight(&self) -> usize {
+        self.queued.lock().map_or(0, |q| q.in_flight.len())
+    }
+
+    /// Hessians queued into whose blocks above the diagonal are not yet filled.
+    pub fn unmirrored(&self) -> usize {
+        self.queued.lock().map_or(0, |q| q.unmirrored.len())
+    }
+
+    /// Queues the mirrors of the unmirrored Hessians `which` picks, as one call.
+    fn mirror(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        queued: &mut Queued,
+        which: impl Fn(&Unmirrored) -> bool,
+    ) -> Result<(), KernelError> {
+        let (mirrored, kept) = std::mem::take(&mut queued.unmirrored)
+            .into_iter()
+            .partition::<Vec<_>, _>(which);
+        queued.unmirrored = kept;
+        if mirrored.is_empty() {
+            return Ok(());
+        }
+        let targets: Vec<XtxTarget> = mirrored.iter().map(|u| u.target).collect();
+        queue_xtx_mirrors(client, &self.blas, &targets, XtxBlocking::default())?;
+        let done = self.record()?;
+        queued.in_flight.push_back(InFlight {
+            done,
+            hessians: targets.iter().map(|t| t.ptr).collect(),
+            _buffers: Vec::new(),
+            _mirrored: mirrored,
+            bytes: 0,
+        });
+        Ok(())
+    }
+
+    /// An event recorded on the stream after what is queued on it so far.
+    fn record(&self) -> Result<CudaEvent, KernelError> {
         let lib = self.blas.lib();
         let done = lib
             .context()
@@ -104,42 +250,11 @@ impl XtxStream {
             .map_err(|e| driver_error("XᵀX event", e))?;
         done.record(lib.stream())
             .map_err(|e| driver_error("XᵀX event record", e))?;
-        in_flight.push_back(InFlight {
-            done,
-            hessian,
-            _keep: [x.handle.clone(), h.handle.clone()],
-            bytes,
-        });
-        // An input larger than the limit by itself is waited for at once: the stream never
-        // holds more than the limit past the caller's use.
-        retire(&mut in_flight, |_, held| held > self.limit)
+        Ok(done)
     }
 
-    /// Waits for the queued products that write the Hessian `h` (and those queued before
-    /// them): afterwards CubeCL may read or write it.
-    pub fn wait_for(
-        &self,
-        client: &ComputeClient<CudaRuntime>,
-        h: &MatrixView,
-    ) -> Result<(), KernelError> {
-        let hessian = device_ptr(client, h)?;
-        let mut in_flight = self.lock()?;
-        retire(&mut in_flight, |queued, _| queued.hessian == hessian)
-    }
-
-    /// Waits for every queued product.
-    pub fn settle(&self) -> Result<(), KernelError> {
-        let mut in_flight = self.lock()?;
-        retire(&mut in_flight, |_, _| true)
-    }
-
-    /// Products queued and not yet known to be done.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.lock().map_or(0, |q| q.len())
-    }
-
-    fn lock(&self) -> Result<MutexGuard<'_, VecDeque<InFlight>>, KernelError> {
-        self.in_flight.lock().map_err(|_| KernelError::Launch {
+    fn lock(&self) -> Result<MutexGuard<'_, Queued>, KernelError> {
+        self.queued.lock().map_err(|_| KernelError::Launch {
             what: "XᵀX stream",
             message: "a product panicked while queueing".into(),
         })
@@ -177,8 +292,8 @@ fn retire(
 impl Drop for XtxStream {
     fn drop(&mut self) {
         // The buffers held go back to CubeCL only once nothing reads them.
-        if let Ok(in_flight) = self.in_flight.get_mut() {
-            for queued in in_flight.iter() {
+        if let Ok(queued) = self.queued.get_mut() {
+            for queued in queued.in_flight.iter() {
                 let _ = queued.done.synchronize();
             }
         }
