@@ -338,36 +338,9 @@ mod cuda_runs {
         let blas = Cublas::new(0).unwrap();
         let (dim, tokens) = (XTX_BLOCK + 64, 257);
         let input_bytes = (tokens * dim * 2) as u64;
-        let mut rng = Rng::new(5);
-        let inputs: Vec<Vec<u16>> = (0..6)
-            .map(|_| {
-                (0..tokens * dim)
-                    .map(|_| bf16::from_f32(rng.normal()).to_bits())
-                    .collect()
-            })
-            .collect();
-        let runs = [
-            XtxRun {
-                first_row: 0,
-                rows: 57,
-                weight: 1.0 / 57.0,
-            },
-            XtxRun {
-                first_row: 57,
-                rows: 200,
-                weight: 0.005,
-            },
-        ];
-        let square = |client: &ComputeClient<CudaRuntime>| {
-            let h = DeviceVec::<f32>::zeros(client, dim * dim).unwrap();
-            MatrixView {
-                handle: h.handle,
-                offset: 0,
-                rows: dim,
-                cols: dim,
-                row_stride: dim,
-            }
-        };
+        let inputs = normal_inputs(&mut Rng::new(5), 6, tokens * dim);
+        let runs = two_runs(57, tokens, 0.005);
+        let square = |client: &ComputeClient<CudaRuntime>| zero_square(client, dim);
         let want = [square(&client), square(&client)];
         for (i, bits) in inputs.iter().enumerate() {
             let x = Bf16Matrix::upload(&client, bits, tokens, dim).unwrap();
@@ -413,36 +386,9 @@ mod cuda_runs {
         };
         let blas = Cublas::new(0).unwrap();
         let (dim, tokens) = (XTX_BLOCK + 64, 129);
-        let mut rng = Rng::new(11);
-        let inputs: Vec<Vec<u16>> = (0..3)
-            .map(|_| {
-                (0..tokens * dim)
-                    .map(|_| bf16::from_f32(rng.normal()).to_bits())
-                    .collect()
-            })
-            .collect();
-        let runs = [
-            XtxRun {
-                first_row: 0,
-                rows: 29,
-                weight: 1.0 / 29.0,
-            },
-            XtxRun {
-                first_row: 29,
-                rows: 100,
-                weight: 0.01,
-            },
-        ];
-        let square = || {
-            let h = DeviceVec::<f32>::zeros(&client, dim * dim).unwrap();
-            MatrixView {
-                handle: h.handle,
-                offset: 0,
-                rows: dim,
-                cols: dim,
-                row_stride: dim,
-            }
-        };
+        let inputs = normal_inputs(&mut Rng::new(11), 3, tokens * dim);
+        let runs = two_runs(29, tokens, 0.01);
+        let square = || zero_square(&client, dim);
         let want = square();
         for bits in &inputs {
             let x = Bf16Matrix::upload(&client, bits, tokens, dim).unwrap();
@@ -501,6 +447,45 @@ mod cuda_runs {
                 values == sentinel,
                 "a buffer made after the drop was written"
             );
+        }
+    }
+
+    /// `count` inputs of `len` bf16 values (their bits), each drawn from N(0, 1).
+    fn normal_inputs(rng: &mut Rng, count: usize, len: usize) -> Vec<Vec<u16>> {
+        (0..count)
+            .map(|_| {
+                (0..len)
+                    .map(|_| bf16::from_f32(rng.normal()).to_bits())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// `tokens` rows in two runs: the first `split` rows weighted `1/split`, the rest `weight`.
+    fn two_runs(split: usize, tokens: usize, weight: f32) -> [XtxRun; 2] {
+        [
+            XtxRun {
+                first_row: 0,
+                rows: split,
+                weight: 1.0 / split as f32,
+            },
+            XtxRun {
+                first_row: split,
+                rows: tokens - split,
+                weight,
+            },
+        ]
+    }
+
+    /// A new `[dim, dim]` f32 Hessian of zeros, the whole buffer.
+    fn zero_square(client: &ComputeClient<CudaRuntime>, dim: usize) -> MatrixView {
+        let h = DeviceVec::<f32>::zeros(client, dim * dim).unwrap();
+        MatrixView {
+            handle: h.handle,
+            offset: 0,
+            rows: dim,
+            cols: dim,
+            row_stride: dim,
         }
     }
 }
