@@ -44,6 +44,9 @@ pub const XTX_IN_FLIGHT_BYTES: u64 = 640 << 20;
 pub struct XtxStream {
     blas: Cublas,
     limit: u64,
+    /// The blocks the products write and the mirrors copy: one value serves both, so that the
+    /// mirrors fill exactly the blocks the products leave.
+    blocking: XtxBlocking,
     queued: Mutex<Queued>,
 }
 
@@ -98,6 +101,7 @@ impl XtxStream {
         Ok(Self {
             blas: Cublas::new(ordinal)?,
             limit,
+            blocking: XtxBlocking::default(),
             queued: Mutex::new(Queued::default()),
         })
     }
@@ -135,15 +139,7 @@ impl XtxStream {
         retire(&mut queued.in_flight, |q, held| {
             q.hessians.contains(&target.ptr) || held + bytes > self.limit
         })?;
-        queue_xtx_runs(
-            client,
-            &self.blas,
-            x,
-            runs,
-            h,
-            XtxBlocking::default(),
-            false,
-        )?;
+        queue_xtx_runs(client, &self.blas, x, runs, h, self.blocking, false)?;
         queued.client = Some(client.clone());
         if !queued.unmirrored.iter().any(|u| u.target == target) {
             queued.unmirrored.push(Unmirrored {
@@ -229,7 +225,7 @@ impl XtxStream {
             return Ok(());
         }
         let targets: Vec<XtxTarget> = mirrored.iter().map(|u| u.target).collect();
-        queue_xtx_mirrors(client, &self.blas, &targets, XtxBlocking::default())?;
+        queue_xtx_mirrors(client, &self.blas, &targets, self.blocking)?;
         let done = self.record()?;
         queued.in_flight.push_back(InFlight {
             done,
